@@ -1,0 +1,403 @@
+"""Typed run configuration: one dataclass per concern, loaded from YAML plus CLI overrides.
+
+Every field carries a docstring-comment; every section validates itself in `__post_init__`
+and raises `ConfigError` naming the field (``section.field``) and the bad value. A run
+saves its resolved config and the git commit beside its outputs (`save_run_info`), so a
+number in a table can always be traced back to the exact settings that produced it.
+
+Usage::
+
+    cfg = load_config(RunConfig, "experiments/async_speedup.yaml", ["algorithm.lr=1e-5"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the value."""
+
+
+def _check(cond: bool, section: str, name: str, value: Any, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{section}.{name}={value!r}: {why}")
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "qwen2-1m"
+    """A preset name (see `periodic_async.model.PRESETS`) or a local Hugging Face model directory."""
+    tokenizer: str = "artifacts/tokenizer"
+    """Tokenizer directory. For presets it is built here (BPE on the synthetic task) if missing."""
+    device: str = "auto"
+    """'auto' (cuda > npu > cpu), 'cpu', 'cuda', 'cuda:1', 'npu', ..."""
+    dtype: str = "float32"
+    """'float32', 'bfloat16' or 'float64' (exactness tests). bf16 is ~37x slower on AVX2 CPUs."""
+    seed: int = 0
+    """Seed of the random initialisation of presets."""
+    attn_implementation: str = "sdpa"
+    """Attention implementation handed to transformers ('sdpa' or 'eager')."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name_or_path), "model", "name_or_path", self.name_or_path, "must not be empty")
+        _check(self.dtype in ("float32", "bfloat16", "float64", "float16"), "model", "dtype", self.dtype,
+               "expected one of float32, bfloat16, float16, float64")
+        _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "npu", "mps"),
+               "model", "device", self.device, "expected auto, cpu, cuda[:i], npu[:i] or mps")
+        _check(self.attn_implementation in ("sdpa", "eager"), "model", "attn_implementation",
+               self.attn_implementation, "expected 'sdpa' or 'eager'")
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    """'synthetic' (built-in arithmetic word problems), a local .jsonl/.json/.parquet file, or a
+    Hugging Face dataset name/path loaded with `datasets.load_dataset`."""
+    format: str = "auto"
+    """Field layout of a file/dataset: 'gsm8k' (question/answer with '#### N'), 'math'
+    (problem/answer or \\boxed{} in solution), 'aime' (problem/answer), or 'auto' (by columns)."""
+    split: str = "train"
+    """Split name for Hugging Face datasets."""
+    num_train: int = 2000
+    """Training prompts (synthetic: generated; file: first N, 0 = all)."""
+    num_eval: int = 200
+    """Held-out prompts for evaluation (synthetic: generated with a different seed)."""
+    seed: int = 0
+    """Seed of synthetic generation and of the prompt order."""
+    min_steps: int = 1
+    """Synthetic difficulty: fewest arithmetic steps in a problem."""
+    max_steps: int = 2
+    """Synthetic difficulty: most arithmetic steps in a problem."""
+    max_operand: int = 9
+    """Synthetic difficulty: largest operand (operands are drawn from 1..max_operand)."""
+    few_shot: int = 0
+    """Solved examples put before each question (long prompts, the paper's shared-prompt setting)."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.source), "data", "source", self.source, "must not be empty")
+        _check(self.format in ("auto", "gsm8k", "math", "aime"), "data", "format", self.format,
+               "expected auto, gsm8k, math or aime")
+        _check(self.num_train >= 0, "data", "num_train", self.num_train, "must be >= 0")
+        _check(self.num_eval >= 0, "data", "num_eval", self.num_eval, "must be >= 0")
+        _check(1 <= self.min_steps <= self.max_steps, "data", "min_steps", self.min_steps,
+               f"must satisfy 1 <= min_steps <= max_steps ({self.max_steps})")
+        _check(self.max_operand >= 2, "data", "max_operand", self.max_operand, "must be >= 2")
+        _check(self.few_shot >= 0, "data", "few_shot", self.few_shot, "must be >= 0")
+
+
+@dataclass
+class RewardConfig:
+    functions: list[str] = field(default_factory=lambda: ["periodic_async.reward:correctness_reward"])
+    """Reward functions in TRL's shape f(prompts, completions, **kwargs) -> list[float], as
+    'package.module:function' or 'path/to/file.py:function'. Their weighted sum is the reward."""
+    weights: list[float] = field(default_factory=lambda: [1.0])
+    """One weight per reward function."""
+
+    def __post_init__(self) -> None:
+        _check(len(self.functions) > 0, "reward", "functions", self.functions, "need at least one")
+        _check(len(self.weights) == len(self.functions), "reward", "weights", self.weights,
+               f"need one weight per function ({len(self.functions)})")
+        for f in self.functions:
+            _check(":" in f, "reward", "functions", f, "expected 'module:function' or 'file.py:function'")
+
+
+@dataclass
+class EngineConfig:
+    backend: str = "ray"
+    """'local' (in-process, continuous batching), 'ray' (one Ray actor per worker) or 'vllm'."""
+    num_workers: int = 1
+    """Inference workers (Ray actors / vLLM engines)."""
+    threads_per_worker: int = 1
+    """torch CPU threads per worker (CPU only)."""
+    max_num_seqs: int = 32
+    """Sequences decoded together per worker (continuous-batching slots)."""
+    max_tokens: int = 64
+    """Largest number of generated tokens per sample."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling; 0 disables."""
+    ray_address: str = ""
+    """Address of an existing Ray cluster; empty starts Ray locally."""
+    timeout_s: float = 600.0
+    """A worker that returns nothing for this long is declared dead."""
+
+    def __post_init__(self) -> None:
+        _check(self.backend in ("local", "ray", "vllm"), "engine", "backend", self.backend,
+               "expected local, ray or vllm")
+        _check(self.num_workers >= 1, "engine", "num_workers", self.num_workers, "must be >= 1")
+        _check(self.threads_per_worker >= 1, "engine", "threads_per_worker", self.threads_per_worker, "must be >= 1")
+        _check(self.max_num_seqs >= 1, "engine", "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        _check(self.max_tokens >= 1, "engine", "max_tokens", self.max_tokens, "must be >= 1")
+        _check(self.temperature >= 0, "engine", "temperature", self.temperature, "must be >= 0")
+        _check(0 < self.top_p <= 1, "engine", "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= 0, "engine", "top_k", self.top_k, "must be >= 0")
+        _check(self.timeout_s > 0, "engine", "timeout_s", self.timeout_s, "must be > 0")
+
+
+@dataclass
+class AlgorithmConfig:
+    group_size: int = 8
+    """G: samples per prompt (one group)."""
+    prompts_per_iteration: int = 8
+    """B: prompts (groups) per iteration; one optimizer step per iteration by default."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    eps_low: float = 0.2
+    """Lower clip range of the ratio (1 - eps_low)."""
+    eps_high: float = 0.2
+    """Upper clip range of the ratio (1 + eps_high); DAPO uses 0.28."""
+    beta: float = 0.0
+    """Weight of the k3 KL penalty to the reference model; 0 skips the reference forward."""
+    advantage: str = "std"
+    """'std': (r - mean_G) / (std_G + eps); 'mean': r - mean_G (Dr. GRPO)."""
+    loss_norm: str = "token-mean"
+    """'token-mean' over the iteration's tokens, 'seq-mean' (mean per sequence, then over
+    sequences), or 'constant' (sum / (B*G*max_tokens), Dr. GRPO). All exact under streaming."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm; 0 disables."""
+    optimizer_steps_per_iteration: int = 1
+    """>1 fills mini-batches in completion order: breaks exact sync/async equivalence."""
+    micro_batch_tokens: int = 4096
+    """Token budget of a micro-batch (packed tokens); 0 uses micro_batch_groups."""
+    micro_batch_groups: int = 1
+    """Groups per micro-batch when micro_batch_tokens is 0."""
+    shared_prompt: bool = True
+    """Pack each group as [prompt | r_1 | ... | r_G] (prompt once) instead of G rows."""
+    attention_backend: str = "auto"
+    """Shared-prompt attention: 'auto', 'dense', 'split' or 'flex'."""
+    skip_old_forward: bool = True
+    """With one optimizer step per iteration old == policy: reuse the policy log-probs, detached."""
+
+    def __post_init__(self) -> None:
+        a = "algorithm"
+        _check(self.group_size >= 1, a, "group_size", self.group_size, "must be >= 1")
+        _check(self.prompts_per_iteration >= 1, a, "prompts_per_iteration", self.prompts_per_iteration, "must be >= 1")
+        _check(self.lr > 0, a, "lr", self.lr, "must be > 0")
+        _check(0 <= self.eps_low < 1, a, "eps_low", self.eps_low, "must be in [0, 1)")
+        _check(self.eps_high >= 0, a, "eps_high", self.eps_high, "must be >= 0")
+        _check(self.beta >= 0, a, "beta", self.beta, "must be >= 0")
+        _check(self.advantage in ("std", "mean"), a, "advantage", self.advantage, "expected std or mean")
+        _check(self.loss_norm in ("token-mean", "seq-mean", "constant"), a, "loss_norm", self.loss_norm,
+               "expected token-mean, seq-mean or constant")
+        _check(self.max_grad_norm >= 0, a, "max_grad_norm", self.max_grad_norm, "must be >= 0")
+        _check(self.optimizer_steps_per_iteration >= 1, a, "optimizer_steps_per_iteration",
+               self.optimizer_steps_per_iteration, "must be >= 1")
+        _check(self.micro_batch_tokens >= 0, a, "micro_batch_tokens", self.micro_batch_tokens, "must be >= 0")
+        _check(self.micro_batch_groups >= 1, a, "micro_batch_groups", self.micro_batch_groups, "must be >= 1")
+        _check(self.attention_backend in ("auto", "dense", "split", "flex"), a, "attention_backend",
+               self.attention_backend, "expected auto, dense, split or flex")
+
+
+@dataclass
+class TrainerConfig:
+    iterations: int = 10
+    """Training iterations (one weight version each)."""
+    threads: int = 1
+    """torch CPU threads of the trainer (CPU only)."""
+    output_dir: str = "runs/default"
+    """Where the run writes config, metrics, trace and checkpoints."""
+    save_every: int = 0
+    """Save a checkpoint every N iterations (0: only at the end)."""
+    eval_every: int = 0
+    """Evaluate on the held-out set every N iterations (0: never during training)."""
+
+    def __post_init__(self) -> None:
+        _check(self.iterations >= 0, "trainer", "iterations", self.iterations, "must be >= 0")
+        _check(self.threads >= 1, "trainer", "threads", self.threads, "must be >= 1")
+        _check(self.save_every >= 0, "trainer", "save_every", self.save_every, "must be >= 0")
+        _check(self.eval_every >= 0, "trainer", "eval_every", self.eval_every, "must be >= 0")
+
+
+@dataclass
+class PipelineConfig:
+    mode: str = "periodic-async"
+    """'sync-colocated', 'sync-separated' or 'periodic-async'."""
+    queue_size: int = 0
+    """Bound of the producer->consumer queue (0: prompts_per_iteration)."""
+
+    def __post_init__(self) -> None:
+        _check(self.mode in ("sync-colocated", "sync-separated", "periodic-async"), "pipeline", "mode",
+               self.mode, "expected sync-colocated, sync-separated or periodic-async")
+        _check(self.queue_size >= 0, "pipeline", "queue_size", self.queue_size, "must be >= 0")
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "offline"
+    """'offline' (default, no network), 'online', or 'disabled'."""
+    wandb_project: str = "periodic-async"
+    """W&B project name."""
+    trace: bool = True
+    """Write the timeline (trace.jsonl and a Chrome trace)."""
+    progress: bool = True
+    """Show a tqdm progress bar."""
+
+    def __post_init__(self) -> None:
+        _check(self.wandb_mode in ("offline", "online", "disabled"), "logging", "wandb_mode", self.wandb_mode,
+               "expected offline, online or disabled")
+
+
+@dataclass
+class SFTConfig:
+    max_steps: int = 2000
+    """Optimizer steps of supervised warm start (stops earlier at max_minutes)."""
+    max_minutes: float = 4.0
+    """Wall-clock budget of the warm start."""
+    batch_size: int = 32
+    """Examples per optimizer step."""
+    lr: float = 2e-3
+    """Peak AdamW learning rate (linear warm-up, cosine decay)."""
+    warmup_steps: int = 50
+    """Linear warm-up steps."""
+    threads: int = 2
+    """torch CPU threads."""
+    output_dir: str = "artifacts/sft-qwen2-1m"
+    """Where the warm-started HF model directory is saved."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps >= 1, "sft", "max_steps", self.max_steps, "must be >= 1")
+        _check(self.max_minutes > 0, "sft", "max_minutes", self.max_minutes, "must be > 0")
+        _check(self.batch_size >= 1, "sft", "batch_size", self.batch_size, "must be >= 1")
+        _check(self.lr > 0, "sft", "lr", self.lr, "must be > 0")
+        _check(self.threads >= 1, "sft", "threads", self.threads, "must be >= 1")
+
+
+@dataclass
+class RunConfig:
+    """An RL run: everything `python -m periodic_async train` needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+@dataclass
+class SFTRunConfig:
+    """The supervised warm start: `python -m periodic_async.sft`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+C = TypeVar("C")
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Convert a YAML/CLI value to the annotated type `tp`, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or value == "None":
+            return None
+        return _convert(value, args[0], where)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}={value!r}: expected a list")
+        return [_convert(v, item_tp, where) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{where}={value!r}: expected a boolean")
+    if tp in (int, float, str):
+        try:
+            if tp is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return tp(float(value)) if tp is int and isinstance(value, str) and "e" in value.lower() else tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}={value!r}: expected {tp.__name__}") from None
+    return value
+
+
+def _build(cls: type[C], data: dict[str, Any], where: str) -> C:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        path = f"{where}.{name}" if where else name
+        kwargs[name] = _build(tp, value, path) if dataclasses.is_dataclass(tp) else _convert(value, tp, path)
+    return cls(**kwargs)
+
+
+def _set(tree: dict[str, Any], dotted: str, value: str) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}={value!r}: {k!r} is not a section")
+    node[keys[-1]] = yaml.safe_load(value) if value != "" else ""
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
+    """Build `cls` from a YAML file (optional) plus `section.key=value` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        tree = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        key, value = item.split("=", 1)
+        _set(tree, key.strip(), value)
+    return _build(cls, tree, "")
+
+
+def git_commit() -> str:
+    """The current git commit (with '-dirty' when the tree has changes), or 'unknown'."""
+    try:
+        here = Path(__file__).resolve().parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def save_run_info(cfg: Any, out_dir: str | Path) -> Path:
+    """Write `config.yaml` (resolved) and `run_info.json` (git commit) into `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    (out / "run_info.json").write_text(json.dumps({"git_commit": git_commit()}, indent=2))
+    return out

@@ -1,0 +1,206 @@
+"""Datasets of math problems with exact answers: GSM8K / MATH (DeepScaleR) / AIME loaders and a
+built-in synthetic task sized for a tiny model on a CPU.
+
+Every source becomes a list of `Example(question, answer, solution)`; `prompt_messages` is
+the single prompt template of the project (what the reward parses: a final '#### N').
+The synthetic task is GSM8K-like arithmetic word problems, generated deterministically
+from a seed, with a difficulty knob (steps, operand size) and an optional few-shot prefix
+that gives the long prompts of the paper's shared-prompt setting.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from periodic_async.config import DataConfig
+
+INSTRUCTION = "Solve step by step and give the final answer after ####."
+
+
+@dataclass(frozen=True)
+class Example:
+    """One problem: `answer` is the ground truth the reward compares to; `solution` (optional)
+    is a worked solution ending in '#### answer', the target of supervised warm start."""
+
+    question: str
+    answer: str
+    solution: str | None = None
+    id: str = ""
+
+
+# --- synthetic arithmetic word problems --------------------------------------------------
+
+_NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kai", "Lena",
+          "Milo", "Nora", "Omar", "Pia", "Quin", "Rosa", "Sam", "Tara"]
+_ITEMS = ["apples", "books", "coins", "pens", "cards", "shells", "stamps", "marbles", "cookies", "stickers"]
+_ADD = ["buys {n} more {item}", "finds {n} more {item}", "gets {n} more {item}"]
+_SUB = ["gives away {n} {item}", "loses {n} {item}", "sells {n} {item}"]
+_MUL = ["doubles the {item}", "triples the {item}"]
+
+
+def make_synthetic_example(rng: random.Random, cfg: DataConfig, idx: int = 0) -> Example:
+    """One word problem with `min_steps..max_steps` operations on numbers in 1..max_operand."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    value = rng.randint(1, cfg.max_operand)
+    sentences = [f"{name} has {value} {item}."]
+    lines = []
+    for _ in range(rng.randint(cfg.min_steps, cfg.max_steps)):
+        op = rng.choice(["add", "sub", "mul"] if value <= 2 * cfg.max_operand else ["add", "sub"])
+        if op == "sub" and value < 2:
+            op = "add"
+        if op == "add":
+            n = rng.randint(1, cfg.max_operand)
+            sentences.append(f"Then {name} " + rng.choice(_ADD).format(n=n, item=item) + ".")
+            lines.append(f"{value}+{n}={value + n}")
+            value += n
+        elif op == "sub":
+            n = rng.randint(1, min(cfg.max_operand, value - 1))
+            sentences.append(f"Then {name} " + rng.choice(_SUB).format(n=n, item=item) + ".")
+            lines.append(f"{value}-{n}={value - n}")
+            value -= n
+        else:
+            k = rng.choice([2, 3])
+            sentences.append(f"Then {name} " + _MUL[k - 2].format(item=item) + ".")
+            lines.append(f"{value}*{k}={value * k}")
+            value *= k
+    sentences.append(f"How many {item} does {name} have?")
+    solution = "\n".join(lines) + f"\n#### {value}"
+    return Example(question=" ".join(sentences), answer=str(value), solution=solution, id=f"syn-{idx}")
+
+
+def make_synthetic(n: int, cfg: DataConfig, seed: int) -> list[Example]:
+    """`n` problems, a pure function of (`n`, difficulty, `seed`)."""
+    rng = random.Random(seed)
+    return [make_synthetic_example(rng, cfg, i) for i in range(n)]
+
+
+def synthetic_corpus(seed: int = 0, n: int = 3000) -> Iterator[str]:
+    """Text the offline tokenizer is trained on: problems, solutions and the instruction."""
+    cfg = DataConfig(min_steps=1, max_steps=4, max_operand=99)
+    for ex in make_synthetic(n, cfg, seed):
+        yield f"{ex.question}\n{INSTRUCTION}\n{ex.solution}"
+
+
+# --- prompt template ------------------------------------------------------------------------
+
+def prompt_messages(example: Example, shots: list[Example] = ()) -> list[dict[str, str]]:
+    """The chat messages of one prompt: optional solved examples, the question, the instruction."""
+    parts = [f"{s.question}\n{s.solution}\n" for s in shots]
+    parts.append(f"{example.question}\n{INSTRUCTION}")
+    return [{"role": "user", "content": "\n".join(parts)}]
+
+
+# --- real datasets ------------------------------------------------------------------------
+
+def _gsm8k_final(answer: str) -> str:
+    if "####" not in answer:
+        raise ValueError(f"GSM8K answer has no '####': {answer[:80]!r}")
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+def _boxed(text: str) -> str | None:
+    from periodic_async.reward import last_boxed
+
+    return last_boxed(text)
+
+
+def _record_to_example(rec: dict, fmt: str, where: str, i: int) -> Example:
+    keys = set(rec)
+    if fmt == "auto":
+        if {"question", "answer"} <= keys and "####" in str(rec["answer"]):
+            fmt = "gsm8k"
+        elif {"problem", "answer"} <= keys or {"Problem", "Answer"} <= keys:
+            fmt = "aime"
+        elif {"problem", "solution"} <= keys:
+            fmt = "math"
+        else:
+            raise ValueError(f"{where} record {i}: cannot tell the format from keys {sorted(keys)}; "
+                             "set data.format to gsm8k, math or aime")
+    try:
+        if fmt == "gsm8k":
+            sol = re.sub(r"<<[^>]*>>", "", str(rec["answer"]))
+            return Example(str(rec["question"]), _gsm8k_final(sol), sol.strip(), str(rec.get("id", i)))
+        if fmt in ("math", "aime"):
+            q = rec.get("problem", rec.get("Problem"))
+            ans = rec.get("answer", rec.get("Answer"))
+            sol = rec.get("solution", rec.get("Solution"))
+            if ans is None and sol is not None:
+                ans = _boxed(str(sol))
+            if q is None or ans is None:
+                raise KeyError("problem/answer")
+            return Example(str(q), str(ans).strip(), None if sol is None else str(sol), str(rec.get("id", i)))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{where} record {i} (format {fmt}): {e}") from None
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def _read_records(source: str, split: str) -> list[dict]:
+    p = Path(source)
+    if p.suffix == ".jsonl":
+        if not p.is_file():
+            raise FileNotFoundError(f"data.source {source!r} does not exist")
+        with p.open() as f:
+            out = []
+            for ln, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{source}:{ln}: invalid JSON ({e})") from None
+            return out
+    if p.suffix == ".json":
+        if not p.is_file():
+            raise FileNotFoundError(f"data.source {source!r} does not exist")
+        data = json.loads(p.read_text())
+        if not isinstance(data, list):
+            raise ValueError(f"{source}: expected a JSON list of records")
+        return data
+    if p.suffix == ".parquet":
+        if not p.is_file():
+            raise FileNotFoundError(f"data.source {source!r} does not exist")
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    import datasets  # a Hugging Face dataset name or directory
+
+    return list(datasets.load_dataset(source, split=split))
+
+
+def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
+    """The examples of `split` ('train' or 'eval'). Synthetic eval uses a disjoint seed."""
+    if cfg.source == "synthetic":
+        n = cfg.num_train if split == "train" else cfg.num_eval
+        return make_synthetic(n, cfg, seed=cfg.seed if split == "train" else cfg.seed + 1_000_003)
+    records = _read_records(cfg.source, cfg.split)
+    examples = [_record_to_example(r, cfg.format, cfg.source, i) for i, r in enumerate(records)]
+    if split == "train":
+        return examples[: cfg.num_train] if cfg.num_train else examples
+    # eval: the tail of the file, disjoint from the training head when both fit.
+    return examples[-cfg.num_eval:] if cfg.num_eval else []
+
+
+def few_shot_examples(cfg: DataConfig) -> list[Example]:
+    """The fixed solved examples of the few-shot prefix (same for every prompt)."""
+    if cfg.few_shot == 0:
+        return []
+    return make_synthetic(cfg.few_shot, cfg, seed=cfg.seed + 7_777_777)
+
+
+def iteration_prompts(examples: list[Example], iteration: int, batch: int, seed: int) -> list[tuple[int, Example]]:
+    """The `batch` prompts of `iteration`: epoch-wise shuffles, a pure function of its
+    arguments, so a resumed run takes exactly the prompts it would have taken."""
+    n = len(examples)
+    if n == 0:
+        raise ValueError("no training examples")
+    out = []
+    for k in range(iteration * batch, (iteration + 1) * batch):
+        epoch, pos = divmod(k, n)
+        order = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out.append((order[pos], examples[order[pos]]))
+    return out

@@ -1,0 +1,65 @@
+"""`Group`: the whole producer -> consumer contract (one prompt, its G responses, their scores).
+
+The producer builds a Group when the last of its G samples finishes; the consumer trains
+on it. `version` is the policy version that sampled every response: the consumer refuses
+a group whose version is not the current one (on-policy guarantee, PAPER.md point 3).
+Response token lists include the final eos token when the sample stopped on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Group:
+    prompt_index: int
+    """Index of the prompt's example in the training set."""
+    iteration: int
+    """Iteration that requested this group."""
+    version: int
+    """Policy version (weights) that sampled every response."""
+    prompt_ids: list[int]
+    """P prompt tokens (chat template applied)."""
+    response_ids: list[list[int]]
+    """G responses, each R_i >= 1 tokens."""
+    behaviour_logprobs: list[list[float]]
+    """Per-token log-probs of the sampling engine (G lists of R_i)."""
+    rewards: list[float]
+    """G scalar rewards."""
+    advantages: list[float]
+    """G group-normalised advantages (one per response, broadcast over its tokens)."""
+    texts: list[str] = field(default_factory=list)
+    """G decoded responses."""
+    finish_reasons: list[str] = field(default_factory=list)
+    """G reasons: 'stop' (eos / stop string) or 'length'."""
+    answer: str = ""
+    """Ground-truth answer of the prompt."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Wall-clock stamps (time.time()) and durations of the group's life: submitted, finished, scored."""
+
+    def __post_init__(self) -> None:
+        g = len(self.response_ids)
+        if g == 0:
+            raise ValueError(f"group of prompt {self.prompt_index}: no responses")
+        for name in ("behaviour_logprobs", "rewards", "advantages"):
+            if len(getattr(self, name)) != g:
+                raise ValueError(f"group of prompt {self.prompt_index}: {name} has "
+                                 f"{len(getattr(self, name))} entries for {g} responses")
+        if any(len(r) == 0 for r in self.response_ids):
+            raise ValueError(f"group of prompt {self.prompt_index}: an empty response")
+
+    @property
+    def size(self) -> int:
+        """G."""
+        return len(self.response_ids)
+
+    @property
+    def num_response_tokens(self) -> int:
+        """sum_i R_i: the tokens that carry a loss."""
+        return sum(len(r) for r in self.response_ids)
+
+    def num_packed_tokens(self, shared_prompt: bool) -> int:
+        """Input tokens of this group once packed: P + sum R_i (shared) or G*P + sum R_i."""
+        p = len(self.prompt_ids)
+        return (p if shared_prompt else self.size * p) + self.num_response_tokens

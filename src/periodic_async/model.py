@@ -1,0 +1,95 @@
+"""Causal LMs: tiny Qwen2/Qwen3 presets built from a config (random init), or any Hugging Face
+causal LM from a local directory; device and dtype from config, nothing hard-codes CUDA.
+
+Presets (vocabulary from the tokenizer, ~512 for ours; parameter counts with that vocab):
+    qwen2-1m   hidden 128, 4 layers   (~0.9M)
+    qwen2-5m   hidden 256, 6 layers   (~4.5M)
+    qwen3-25m  hidden 512, 8 layers   (~24M, Qwen3 architecture with q/k norm)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from periodic_async.config import ModelConfig
+
+PRESETS: dict[str, dict] = {
+    "qwen2-1m": dict(model_type="qwen2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=384),
+    "qwen2-5m": dict(model_type="qwen2", hidden_size=256, num_hidden_layers=6, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=704),
+    "qwen3-25m": dict(model_type="qwen3", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=64, intermediate_size=1408),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks cuda, then npu (torch_npu), then cpu."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if hasattr(torch, "npu") and torch.npu.is_available():  # registered by torch_npu
+        return torch.device("npu")
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+def preset_config(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "float32"):
+    """The transformers config of preset `name`, sized to `tokenizer`."""
+    if name not in PRESETS:
+        raise ValueError(f"model.name_or_path={name!r} is neither a preset ({sorted(PRESETS)}) "
+                         "nor an existing directory")
+    spec = dict(PRESETS[name])
+    model_type = spec.pop("model_type")
+    return AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), max_position_embeddings=8192, rope_theta=10000.0,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, torch_dtype=dtype, **spec,
+    )
+
+
+def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A preset with random weights (seeded), or the HF model at `cfg.name_or_path`."""
+    dtype, device = resolve_dtype(cfg.dtype), resolve_device(cfg.device)
+    if Path(cfg.name_or_path).is_dir():
+        model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, dtype=dtype,
+                                                     attn_implementation=cfg.attn_implementation)
+    else:
+        conf = preset_config(cfg.name_or_path, tokenizer, cfg.dtype)
+        conf._attn_implementation = cfg.attn_implementation
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
+    if model.config.vocab_size < len(tokenizer):
+        raise ValueError(f"model {cfg.name_or_path!r} has vocab_size {model.config.vocab_size} < "
+                         f"tokenizer size {len(tokenizer)} ({cfg.tokenizer!r})")
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.to(device)
+
+
+def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Tokenizer and model of `cfg`. A model directory without `cfg.tokenizer` uses its own tokenizer."""
+    from periodic_async.tokenizer import ensure_tokenizer, load_tokenizer
+
+    model_dir = Path(cfg.name_or_path)
+    if model_dir.is_dir() and (model_dir / "tokenizer_config.json").is_file():
+        tokenizer = load_tokenizer(model_dir)
+    else:
+        tokenizer = ensure_tokenizer(cfg.tokenizer)
+    return build_model(cfg, tokenizer), tokenizer
+
+
+def num_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
