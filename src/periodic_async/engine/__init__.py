@@ -1,0 +1,38 @@
+"""Inference engines: continuous batching with versioned weights behind one interface.
+
+    engine = make_engine(cfg.engine, cfg.model)          # 'local' | 'ray' | 'vllm'
+    for out in engine.generate(requests): ...             # groups in completion order
+    engine.update_weights(policy.state_dict(), version)   # at the iteration barrier
+
+base.py     the contract (Request, SamplingParams, Sample, RequestOutput, Engine, WeightSync)
+batcher.py  the continuous-batching scheduler and slot KV cache every built-in engine runs
+local.py    in-process engine (co-located baseline, tests)
+ray_engine.py  one Ray actor per worker, streamed results, object-store weight sync
+vllm_engine.py vLLM adapter (GPU only; not exercised on CPU CI)
+"""
+
+from __future__ import annotations
+
+from periodic_async.engine.base import (Engine, EngineError, Request, RequestOutput, Sample, SamplingParams,
+                                        WeightSync, assign_workers)
+
+__all__ = ["Engine", "EngineError", "Request", "RequestOutput", "Sample", "SamplingParams", "WeightSync",
+           "assign_workers", "make_engine"]
+
+
+def make_engine(engine_cfg, model_cfg, backend: str | None = None) -> Engine:
+    """Build the engine named by `backend` (default `engine_cfg.backend`); it starts at version 0."""
+    backend = backend or engine_cfg.backend
+    if backend == "local":
+        from periodic_async.engine.local import LocalEngine
+
+        return LocalEngine.from_config(engine_cfg, model_cfg)
+    if backend == "ray":
+        from periodic_async.engine.ray_engine import RayEngine
+
+        return RayEngine(engine_cfg, model_cfg)
+    if backend == "vllm":
+        from periodic_async.engine.vllm_engine import VLLMEngine
+
+        return VLLMEngine(engine_cfg, model_cfg)
+    raise ValueError(f"engine backend {backend!r}: expected 'local', 'ray' or 'vllm'")

@@ -1,0 +1,220 @@
+"""The engine contract: requests in, completed groups out, versioned weights.
+
+A `Request` is one prompt asking for `n` samples (a GRPO group). An `Engine` streams back
+one `RequestOutput` per request as soon as its n samples are done, in completion order
+(PAPER.md point 2), tagged with the weights `version` that sampled every token. The trainer
+pushes new weights with `update_weights` at the iteration barrier, never while a
+`generate` iterator is open, so no request ever mixes versions.
+
+Behaviour log-probs: `Sample.logprobs[i]` is log_softmax(raw logits)[token_i], the log-prob
+of the sampled token under the model at temperature 1, before temperature / top-k / top-p.
+That is the quantity the trainer recomputes for the old policy, so the two can be compared
+(and it is vLLM's default `raw_logprobs`). It is not the log-prob of the (truncated,
+tempered) distribution that was actually sampled from.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+class EngineError(RuntimeError):
+    """A worker died, raised, or went silent; names the worker and the request ids it held."""
+
+    def __init__(self, message: str, worker: int | None = None, request_ids: list[str] | None = None):
+        self.message = message
+        self.worker = worker
+        self.request_ids = list(request_ids or [])
+        where = f"worker {worker}" if worker is not None else "engine"
+        ids = ", ".join(self.request_ids[:8]) + (" ..." if len(self.request_ids) > 8 else "")
+        super().__init__(f"{where} failed (requests: {ids or 'none'}): {message}")
+
+    def __reduce__(self):  # crosses process boundaries (Ray) intact
+        return (EngineError, (self.message, self.worker, self.request_ids))
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int
+    """Most tokens generated per sample."""
+    temperature: float = 1.0
+    """0 means greedy (argmax of the raw logits)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a sample ends ('stop') once its text contains one; the text is cut before it."""
+    ignore_eos: bool = False
+    """Keep generating past eos (benchmarks: make every sample exactly max_tokens long)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens={self.max_tokens}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k}: must be >= 0")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    """P prompt tokens."""
+    n: int
+    """G samples of this prompt."""
+    params: SamplingParams
+    seed: int
+    """Sample k draws from its own generator seeded from (seed, k)."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.n < 1:
+            raise ValueError(f"request {self.request_id}: n={self.n} must be >= 1")
+        if self.seed < 0:
+            raise ValueError(f"request {self.request_id}: seed={self.seed} must be >= 0")
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    """R response tokens; include the eos token when the sample stopped on it."""
+    logprobs: list[float]
+    """R behaviour log-probs (temperature 1, see the module docstring)."""
+    text: str
+    """Decoded response (special tokens skipped, cut before a stop string)."""
+    finish_reason: str
+    """'stop' (eos or stop string) or 'length' (max_tokens)."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    samples: list[Sample]
+    """n samples, in sample order k = 0..n-1."""
+    version: int
+    """Weights version that generated every token of every sample."""
+    worker: int
+    """Index of the worker that served the request."""
+    events: list[dict]
+    """One dict per sample: slot, admitted, first_token, finished (time.time() stamps), worker."""
+
+
+class Engine(ABC):
+    """Continuous-batching inference behind one interface (local, Ray, vLLM)."""
+
+    @abstractmethod
+    def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
+        """Yield each request once its n samples are done, in completion order."""
+
+    @abstractmethod
+    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+        """Load `state_dict` on every worker and set `version`; returns the seconds it took."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Version of the weights every worker holds."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the workers and free their resources."""
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def assign_workers(requests: list[Request], num_workers: int) -> list[int]:
+    """Deterministic dispatch at submit time: each request, in order, goes to the least-loaded
+    worker (load = sum of n * max_tokens already assigned; ties go to the lowest index)."""
+    load = [0] * num_workers
+    out = []
+    for r in requests:
+        w = min(range(num_workers), key=lambda i: (load[i], i))
+        load[w] += r.n * r.params.max_tokens
+        out.append(w)
+    return out
+
+
+# --- weights ----------------------------------------------------------------------------
+
+def state_to_numpy(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
+    """CPU numpy copies (name -> (array, torch dtype name)). numpy, not torch tensors, because
+    Ray's object store hands numpy arrays to readers zero-copy (FACTS.md). bf16/fp16 travel as
+    int16 bit patterns (numpy has no bfloat16)."""
+    out = {}
+    for name, t in state_dict.items():
+        t = t.detach().to("cpu").contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.view(torch.int16)
+        out[name] = (t.numpy(), dtype)
+    return out
+
+
+def numpy_to_state(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
+    """Inverse of `state_to_numpy`; the tensors share memory with (read-only) arrays."""
+    import warnings
+
+    out = {}
+    with warnings.catch_warnings():  # read-only object-store buffers: we only read them
+        warnings.simplefilter("ignore", UserWarning)
+        for name, (arr, dtype) in arrays.items():
+            t = torch.from_numpy(arr)
+            if dtype in ("bfloat16", "float16"):
+                t = t.view(getattr(torch, dtype))
+            out[name] = t
+    return out
+
+
+@torch.no_grad()
+def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy `state_dict` into `model` in place (same names as `model.state_dict()`).
+    Unknown names raise; every parameter must be covered (a tied weight once is enough)."""
+    own = model.state_dict(keep_vars=True)
+    unknown = sorted(set(state_dict) - set(own))
+    if unknown:
+        raise KeyError(f"update_weights: names not in the model: {unknown[:5]}")
+    covered = set()
+    for name, value in state_dict.items():
+        target = own[name]
+        if target.shape != value.shape:
+            raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, "
+                             f"model expects {tuple(target.shape)}")
+        target.data.copy_(value)
+        covered.add(id(target))
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise KeyError(f"update_weights: parameters missing from the state dict: {missing[:5]}")
+
+
+class WeightSync(ABC):
+    """How new weights travel from the trainer to the workers at the barrier.
+
+    `publish` runs once on the trainer side and returns a handle that is sent to every worker;
+    `receive` runs on each worker and returns the tensors to load. On one node the handle is a
+    Ray object-store reference (`ObjectStoreSync` in ray_engine.py). An NCCL/HCCL
+    implementation would make `publish` a broadcast from the trainer's rank in a process
+    group shared with the workers (handle = metadata: names, shapes, dtypes) and `receive` the
+    matching broadcast into preallocated device buffers, with no host copy.
+    """
+
+    @abstractmethod
+    def publish(self, state_dict: dict[str, torch.Tensor], version: int):
+        """Trainer side: make the weights available; returns a handle for `receive`."""
+
+    @abstractmethod
+    def receive(self, handle) -> dict[str, torch.Tensor]:
+        """Worker side: the state dict behind `handle`."""
