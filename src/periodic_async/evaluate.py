@@ -1,0 +1,47 @@
+"""Held-out accuracy: greedy decoding of the evaluation prompts, scored by the correctness reward.
+
+Uses Hugging Face `generate` with left-padded static batches so that it is independent of
+our own engines (an evaluation must not share bugs with the code it evaluates).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from periodic_async.data import Example, prompt_messages
+from periodic_async.reward import correctness_reward
+from periodic_async.tokenizer import encode_chat
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, examples: Sequence[Example], shots: Sequence[Example] = (),
+             max_tokens: int = 64, batch_size: int = 64) -> dict:
+    """Greedy accuracy on `examples`: {'accuracy', 'n', 'mean_response_tokens', 'samples'}."""
+    if not examples:
+        return {"accuracy": float("nan"), "n": 0, "mean_response_tokens": 0.0, "samples": []}
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    texts, lengths = [], []
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i: i + batch_size]
+        prompts = [encode_chat(tokenizer, prompt_messages(e, list(shots))) for e in chunk]
+        width = max(len(p) for p in prompts)
+        ids_BxL = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask_BxL = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        out_BxL = model.generate(input_ids=ids_BxL, attention_mask=mask_BxL, max_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+        for row in out_BxL[:, width:].tolist():
+            if tokenizer.eos_token_id in row:
+                row = row[: row.index(tokenizer.eos_token_id) + 1]
+            lengths.append(len(row))
+            texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    rewards = correctness_reward(None, texts, answer=[e.answer for e in examples])
+    model.train(was_training)
+    samples = [{"question": e.question, "answer": e.answer, "completion": t, "correct": r}
+               for e, t, r in zip(examples, texts, rewards)]
+    return {"accuracy": sum(rewards) / len(rewards), "n": len(rewards),
+            "mean_response_tokens": sum(lengths) / len(lengths), "samples": samples}

@@ -1,0 +1,100 @@
+"""Timeline events and metrics: the evidence of every speed claim.
+
+- `Tracer` records spans (name, track, start, duration, args) from any thread: per request
+  (worker, slot, admitted, finished), per micro-step, optimizer step, weight sync. It writes
+  `trace.jsonl` and a Chrome trace (`trace.chrome.json`, open in chrome://tracing or
+  Perfetto). `plots.plot_timeline` draws the paper's Figure 1 from these files.
+- `MetricsLogger` writes one JSON line per logged step to `metrics.jsonl` and mirrors it to
+  Weights & Biases (offline by default; `logging.wandb_mode=online` to sync).
+Times are `time.time()` seconds, comparable across processes of one machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class Tracer:
+    """Thread-safe span recorder. `enabled=False` makes every call a no-op."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def add(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
+        if self.enabled:
+            with self._lock:
+                self.events.append({"name": name, "track": track, "start": start, "dur": end - start, "args": args})
+
+    @contextmanager
+    def span(self, name: str, track: str, **args: Any) -> Iterator[dict[str, Any]]:
+        """Time a block; the yielded dict can receive more args inside the block."""
+        t0 = time.time()
+        yield args
+        self.add(name, track, t0, time.time(), **args)
+
+    def write(self, out_dir: str | Path) -> tuple[Path, Path]:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            events = sorted(self.events, key=lambda e: e["start"])
+        jsonl = out / "trace.jsonl"
+        jsonl.write_text("".join(json.dumps(e) + "\n" for e in events))
+        t_min = events[0]["start"] if events else 0.0
+        tids = {track: i for i, track in enumerate(sorted({e["track"] for e in events}))}
+        chrome = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": track}}
+                  for track, t in tids.items()]
+        chrome += [{"name": e["name"], "ph": "X", "pid": 0, "tid": tids[e["track"]],
+                    "ts": (e["start"] - t_min) * 1e6, "dur": e["dur"] * 1e6, "args": e["args"]} for e in events]
+        chrome_path = out / "trace.chrome.json"
+        chrome_path.write_text(json.dumps({"traceEvents": chrome}))
+        return jsonl, chrome_path
+
+
+def read_trace(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    """JSONL metrics (always) plus W&B (unless mode='disabled' or wandb is missing)."""
+
+    def __init__(self, out_dir: str | Path, config: Any = None, mode: str = "offline",
+                 project: str = "periodic-async", name: str | None = None) -> None:
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+        self._wandb = None
+        if mode != "disabled":
+            try:
+                import wandb
+            except ImportError:
+                wandb = None
+            if wandb is not None:
+                os.environ.setdefault("WANDB_SILENT", "true")
+                cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+                self._wandb = wandb.init(project=project, name=name, mode=mode, config=cfg,
+                                         dir=str(Path(out_dir).resolve()), reinit="finish_previous")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,28 @@
+"""Shared fixtures: an offline environment and one tokenizer built per test session."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    from periodic_async.tokenizer import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from periodic_async.tokenizer import load_tokenizer
+
+    return load_tokenizer(tokenizer_dir)

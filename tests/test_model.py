@@ -1,0 +1,71 @@
+"""Presets, local HF directories, devices/dtypes, and the offline tokenizer."""
+
+import pytest
+import torch
+
+from periodic_async.config import DataConfig, ModelConfig
+from periodic_async.data import make_synthetic, prompt_messages
+from periodic_async.model import PRESETS, build_model, load_policy, num_parameters, resolve_device
+from periodic_async.tokenizer import encode_chat, load_tokenizer
+
+EXPECTED_MILLIONS = {"qwen2-1m": (0.5, 1.5), "qwen2-5m": (3.5, 6.5), "qwen3-25m": (18, 30)}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_build_with_expected_size_and_logit_shape(name, tokenizer):
+    model = build_model(ModelConfig(name_or_path=name), tokenizer)
+    lo, hi = EXPECTED_MILLIONS[name]
+    assert lo <= num_parameters(model) / 1e6 <= hi
+    ids_BxL = torch.randint(0, len(tokenizer), (2, 5))
+    assert model(ids_BxL).logits.shape == (2, 5, model.config.vocab_size)
+    assert model.config.vocab_size == len(tokenizer)
+
+
+def test_preset_init_is_seeded(tokenizer):
+    a = build_model(ModelConfig(seed=1), tokenizer).state_dict()
+    b = build_model(ModelConfig(seed=1), tokenizer).state_dict()
+    c = build_model(ModelConfig(seed=2), tokenizer).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_dtype_and_device_from_config(tokenizer):
+    model = build_model(ModelConfig(dtype="float64", device="cpu"), tokenizer)
+    assert next(model.parameters()).dtype == torch.float64
+    assert resolve_device("auto").type in ("cpu", "cuda", "npu")
+
+
+def test_local_directory_round_trip(tmp_path, tokenizer, tokenizer_dir):
+    model = build_model(ModelConfig(), tokenizer)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    loaded, tok = load_policy(ModelConfig(name_or_path=str(tmp_path / "m")))
+    ids_1xL = torch.tensor([[5, 6, 7]])
+    assert torch.allclose(loaded(ids_1xL).logits, model(ids_1xL).logits)
+    assert tok.eos_token_id == tokenizer.eos_token_id
+
+
+def test_unknown_preset_names_the_choices(tokenizer):
+    with pytest.raises(ValueError, match="neither a preset"):
+        build_model(ModelConfig(name_or_path="qwen9-huge"), tokenizer)
+
+
+def test_tokenizer_round_trip_and_chat_template(tokenizer):
+    for ex in make_synthetic(50, DataConfig(max_steps=4, max_operand=99), 5):
+        ids = tokenizer(ex.solution, add_special_tokens=False).input_ids
+        assert tokenizer.decode(ids) == ex.solution
+    text = "Odd text: ünïcode ✓ 12345!"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids) == text
+    ids = encode_chat(tokenizer, prompt_messages(make_synthetic(1, DataConfig(), 0)[0]))
+    assert ids[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.pad_token_id != tokenizer.eos_token_id
+
+
+def test_digits_are_single_tokens(tokenizer):
+    pieces = [tokenizer.decode([i]) for i in tokenizer("#### 12345", add_special_tokens=False).input_ids]
+    assert [p for p in pieces if p.strip().isdigit()] == list("12345")
+
+
+def test_missing_tokenizer_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope")

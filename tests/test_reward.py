@@ -1,0 +1,74 @@
+"""Answer extraction and rewards: GSM8K strings, \\boxed{}, edge cases, user reward functions."""
+
+import pytest
+
+from periodic_async.reward import (answers_match, combined_reward, correctness_reward, extract_answer,
+                                   format_reward, last_boxed, load_reward_fn, normalize_answer)
+
+GSM8K_ANSWER = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+                "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+
+
+@pytest.mark.parametrize("text,expected", [
+    (GSM8K_ANSWER, "72"),
+    ("so the total is\n#### 1,234", "1234"),
+    ("#### -5", "-5"),
+    ("#### 3.0", "3"),
+    ("#### $12.50", "12.50"),
+    ("#### +7.", "7"),
+    ("first #### 3 then #### 4", "4"),
+    ("The answer is \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+    ("Thus \\boxed{1,000}", "1000"),
+    ("3+4=7 and 7*2=14", "14"),
+    ("no numbers here", None),
+    ("", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_last_boxed_nested_braces():
+    assert last_boxed("\\boxed{1} then \\boxed{\\sqrt{2}+{3}}") == "\\sqrt{2}+{3}"
+    assert last_boxed("\\boxed{unclosed") is None
+
+
+def test_numeric_equivalence():
+    assert answers_match("72", "72.00")
+    assert answers_match("0.5", "1/2")
+    assert not answers_match("72", "27")
+    assert not answers_match(None, "1")
+    assert normalize_answer(" $1,000.0 ") == "1000"
+
+
+def test_correctness_and_format_rewards():
+    comps = ["1+2=3\n#### 3", "#### 4", "the answer is 3", "nothing"]
+    assert correctness_reward(None, comps, answer=["3"] * 4) == [1.0, 0.0, 1.0, 0.0]
+    assert format_reward(None, comps) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_correctness_length_mismatch_raises():
+    with pytest.raises(ValueError):
+        correctness_reward(None, ["#### 1"], answer=["1", "2"])
+
+
+def test_user_reward_function_from_file(tmp_path):
+    f = tmp_path / "my_reward.py"
+    f.write_text("def brevity(prompts, completions, **kw):\n    return [1.0 / (1 + len(c)) for c in completions]\n")
+    fn = load_reward_fn(f"{f}:brevity")
+    assert fn(None, ["a", "abc"]) == [0.5, 0.25]
+    total = combined_reward([fn, load_reward_fn("periodic_async.reward:format_reward")], [2.0, 1.0])
+    assert total(None, ["#### 1"], answer=["1"]) == [2.0 / 7 + 1.0]
+
+
+@pytest.mark.parametrize("spec,err", [("nocolon", ValueError), ("missing_mod_xyz:f", ImportError),
+                                      ("periodic_async.reward:nope", AttributeError),
+                                      ("/nonexistent/file.py:f", FileNotFoundError)])
+def test_bad_reward_spec_names_the_problem(spec, err):
+    with pytest.raises(err, match="reward function"):
+        load_reward_fn(spec)
+
+
+def test_reward_returning_wrong_length_is_caught():
+    bad = combined_reward([lambda p, c, **k: [1.0]], [1.0])
+    with pytest.raises(ValueError, match="returned 1 values for 2"):
+        bad(None, ["a", "b"])
