@@ -114,7 +114,8 @@ class Engine(ABC):
 
     @abstractmethod
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
-        """Yield each request once its n samples are done, in completion order."""
+        """Yield each request once its n samples are done, in completion order. The work is
+        dispatched when iteration starts; closing the iterator early cancels what is left."""
 
     @abstractmethod
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:

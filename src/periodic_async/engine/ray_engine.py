@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,7 +61,9 @@ class ObjectStoreSync(WeightSync):
 
 
 class EngineWorker:
-    """Actor body: one model, one batcher. max_concurrency=2 lets `abort`/`info` run beside `generate`."""
+    """Actor body: one model, one batcher. max_concurrency=2 lets `abort` and `info` run beside
+    `generate`; a lock keeps a new `generate` (or `update_weights`) from overlapping the tail of
+    an aborted one, and `abort` names the call it stops so it cannot hit a later one."""
 
     def __init__(self, model_cfg, max_num_seqs: int, worker: int, threads: int):
         from periodic_async.engine.batcher import ContinuousBatcher
@@ -70,28 +73,31 @@ class EngineWorker:
         model, tokenizer = load_policy(model_cfg)
         self.batcher = ContinuousBatcher(model, tokenizer, max_num_seqs, worker=worker)
         self.sync = ObjectStoreSync()
-        self._abort = False
+        self._lock = threading.Lock()
+        self._aborted = -1
 
     def info(self) -> dict:
         return dict(pid=os.getpid(), version=self.batcher.version, threads=torch.get_num_threads(),
                     device=str(self.batcher.device))
 
-    def generate(self, requests: list[Request]):
-        self._abort = False
-        self.batcher.submit(requests)
-        try:
-            while self.batcher.has_work and not self._abort:
-                yield from self.batcher.step()
-        finally:
-            self.batcher.reset()
+    def generate(self, requests: list[Request], call: int):
+        with self._lock:
+            self.batcher.submit(requests)
+            try:
+                while self.batcher.has_work and self._aborted != call:
+                    for out in self.batcher.step():  # (Ray drives the generator with send(): no `yield from` a list)
+                        yield out
+            finally:
+                self.batcher.reset()
 
-    def abort(self) -> None:
-        self._abort = True
+    def abort(self, call: int) -> None:
+        self._aborted = call
 
     def update_weights(self, handle, version: int) -> float:
-        t = time.perf_counter()
-        self.batcher.update_weights(self.sync.receive(handle), version)
-        return time.perf_counter() - t
+        with self._lock:
+            t = time.perf_counter()
+            self.batcher.update_weights(self.sync.receive(handle), version)
+            return time.perf_counter() - t
 
 
 def _absolute_paths(model_cfg):
@@ -112,6 +118,7 @@ class RayEngine(Engine):
         self.sync = sync or ObjectStoreSync()
         self._version = 0
         self._active = False
+        self._calls = 0
         self.last_sync: dict[str, float] = {}
         gpus = 1 if model_cfg.device.startswith("cuda") or (
             model_cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
@@ -145,7 +152,8 @@ class RayEngine(Engine):
         for w, r in zip(assign_workers(requests, len(self.workers)), requests):
             per_worker.setdefault(w, []).append(r)
         pending = {w: [r.request_id for r in rs] for w, rs in per_worker.items()}
-        streams = {w: self.workers[w].generate.options(num_returns="streaming").remote(rs)
+        call = self._calls = self._calls + 1
+        streams = {w: self.workers[w].generate.options(num_returns="streaming").remote(rs, call)
                    for w, rs in per_worker.items()}
         silent = dict.fromkeys(streams, 0.0)  # seconds spent waiting on each worker since its last result
         pings: dict[int, ray.ObjectRef] = {}
@@ -178,7 +186,7 @@ class RayEngine(Engine):
         finally:
             for w in streams:  # abandoned or failed: stop the others (best effort)
                 try:
-                    self.workers[w].abort.remote()
+                    self.workers[w].abort.remote(call)
                 except Exception:
                     pass
             self._active = False
