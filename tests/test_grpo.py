@@ -118,6 +118,15 @@ def test_weights_normalisers_and_metrics_by_hand():
 
 # ---------------------------------------------------------------- streaming invariant on a real model
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The machine is shared: one torch thread avoids oversubscription (restored afterwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return ensure_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
@@ -230,6 +239,7 @@ def test_microbatch_split_matches_full_batch(tokenizer, loss_norm):
     scale = max(g.abs().max().item() for g in ref_grads.values())
     assert scale > 1e-3
     rng = random.Random(42)
+    cuts = 0
     for trial in range(4):
         order = groups[:]
         rng.shuffle(order)
@@ -237,12 +247,13 @@ def test_microbatch_split_matches_full_batch(tokenizer, loss_norm):
             mbs = random_sample_split(rng, order)
         else:
             mbs = split_groups(order, max_tokens=rng.choice([12, 20, 35]), shared=True)
-        assert any(len({id(s.group) for mb in mbs for s in mb.slices if s.group is g}) and
-                   sum(s.group is g for mb in mbs for s in mb.slices) > 1 for g in groups), "no group was cut"
+        parts = [sum(s.group is g for mb in mbs for s in mb.slices) for g in groups]
+        cuts += sum(n > 1 for n in parts)
         grads, metrics = streamed_gradient(tri, mbs, cfg)
         assert max_diff(grads, ref_grads) <= 1e-10
         assert metrics["loss"] == pytest.approx(ref_loss, abs=1e-12)
         assert 0 < metrics["clip_frac"] < 1 and metrics["kl"] > 0  # the clip and KL terms are exercised
+    assert cuts > 0, "no split cut a group"
 
 
 def test_naive_token_mean_differs(tokenizer):
