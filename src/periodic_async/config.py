@@ -215,6 +215,10 @@ class TrainerConfig:
     """Save a checkpoint every N iterations (0: only at the end)."""
     eval_every: int = 0
     """Evaluate on the held-out set every N iterations (0: never during training)."""
+    eval_at_end: bool = True
+    """Evaluate the final policy on the held-out set (greedy)."""
+    resume: str = ""
+    """Checkpoint directory to resume from; 'auto' = <output_dir>/checkpoint if it exists."""
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 0, "trainer", "iterations", self.iterations, "must be >= 0")

@@ -35,6 +35,8 @@ class Group:
     """G reasons: 'stop' (eos / stop string) or 'length'."""
     answer: str = ""
     """Ground-truth answer of the prompt."""
+    correct: list[float] = field(default_factory=list)
+    """G correctness scores (1.0 / 0.0), for accuracy metrics; the reward may differ."""
     timings: dict[str, float] = field(default_factory=dict)
     """Wall-clock stamps (time.time()) and durations of the group's life: submitted, finished, scored."""
 

@@ -1,0 +1,226 @@
+"""The three training modes, wired from the same parts (PAPER.md points 1-4).
+
+    sync-colocated   one process, all cores: the in-process engine generates the whole
+                     batch, then the trainer trains (what verl's hybrid engine and TRL do).
+    sync-separated   separate engine workers and trainer; training waits for the whole
+                     batch and takes it in dataset order (the paper's Figure 1a).
+    periodic-async   separate engine workers and trainer; the trainer takes groups in
+                     completion order while the rest are still generating (Figure 1b).
+Every mode: one optimizer step per iteration (by default), then the barrier: version t+1 is
+pushed to every engine before iteration t+1's prompts are sent. So every sample of
+iteration t comes from the policy of version t, and from one seed the sync and async
+modes sample the same tokens and reach the same weights (tests/test_pipeline.py).
+
+Per-iteration metrics (metrics.jsonl + W&B): reward, accuracy, lengths, trained tokens,
+tokens/s per device, phase times and idle times. Definitions:
+    trained tokens        sum over samples of (P + R_i): the logical tokens, whatever the packing
+    devices               engine workers x threads_per_worker + trainer threads (separated modes);
+                          trainer threads (co-located). On CPU a device is a core.
+    tokens/s per device   trained tokens / iteration wall time / devices
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from periodic_async.config import RunConfig, save_run_info
+from periodic_async.consumer import Consumer
+from periodic_async.data import few_shot_examples, load_examples
+from periodic_async.engine import Engine, make_engine
+from periodic_async.evaluate import evaluate
+from periodic_async.group import Group
+from periodic_async.model import load_policy
+from periodic_async.producer import Producer
+from periodic_async.reward import combined_reward, load_reward_fn
+from periodic_async.trace import MetricsLogger, Tracer
+
+
+def devices_in_use(cfg: RunConfig) -> int:
+    if cfg.pipeline.mode == "sync-colocated":
+        return cfg.trainer.threads
+    return cfg.engine.num_workers * cfg.engine.threads_per_worker + cfg.trainer.threads
+
+
+def _iteration_metrics(groups: list[Group], t_start: float, t_gen_end: float, t_end: float, train: dict,
+                       sync_s: float, cfg: RunConfig) -> dict[str, float]:
+    rewards = [r for g in groups for r in g.rewards]
+    lengths = [len(r) for g in groups for r in g.response_ids]
+    trained = sum(len(g.prompt_ids) * g.size + g.num_response_tokens for g in groups)
+    wall = t_end - t_start
+    gen_s = t_gen_end - t_start
+    m = {
+        "reward/mean": statistics.fmean(rewards), "reward/std": statistics.pstdev(rewards),
+        "accuracy": statistics.fmean(c for g in groups for c in g.correct),
+        "response/len_mean": statistics.fmean(lengths), "response/len_max": max(lengths),
+        "response/truncated_frac": statistics.fmean(f == "length" for g in groups for f in g.finish_reasons),
+        "tokens/trained": trained, "tokens/response": sum(lengths),
+        "tokens/packed": sum(g.num_packed_tokens(cfg.algorithm.shared_prompt) for g in groups),
+        "throughput/tokens_per_s": trained / wall,
+        "throughput/tokens_per_s_per_device": trained / wall / devices_in_use(cfg),
+        "time/iteration_s": wall, "time/generate_s": gen_s, "time/train_s": train["train_busy_s"],
+        "time/reward_s": sum(g.timings.get("reward_s", 0.0) for g in groups), "time/sync_s": sync_s,
+        "idle/engine_s": wall - gen_s,
+        "idle/trainer_s": wall - train["train_busy_s"] - sync_s,
+    }
+    if train.get("first_group_at"):
+        m["time/first_group_s"] = train["first_group_at"] - t_start
+    m.update({f"train/{k}": v for k, v in train.items() if k not in ("train_busy_s", "first_group_at")})
+    return m
+
+
+def save_checkpoint(out_dir: Path, policy, tokenizer, consumer: Consumer, next_iteration: int) -> Path:
+    """Atomically replace <out_dir>/checkpoint (written to a temp dir, then renamed)."""
+    final, tmp = out_dir / "checkpoint", out_dir / "checkpoint.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"next_iteration": next_iteration, **consumer.state_dict()}, tmp / "trainer_state.pt")
+    if final.exists():
+        old = out_dir / "checkpoint.old"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    return final
+
+
+def _resume_dir(cfg: RunConfig) -> Path | None:
+    if not cfg.trainer.resume:
+        return None
+    p = Path(cfg.trainer.output_dir) / "checkpoint" if cfg.trainer.resume == "auto" else Path(cfg.trainer.resume)
+    if (p / "trainer_state.pt").is_file():
+        return p
+    if cfg.trainer.resume == "auto":
+        return None
+    raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume!r}: no trainer_state.pt in {str(p)!r}")
+
+
+def _load_checkpoint(ckpt: Path, policy, consumer: Consumer) -> int:
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=next(policy.parameters()).dtype)
+    policy.load_state_dict(saved.state_dict())
+    consumer.tri.refresh_old()
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    consumer.load_state_dict(state)
+    return int(state["next_iteration"])
+
+
+def build_engine(cfg: RunConfig) -> Engine:
+    backend = "local" if cfg.pipeline.mode == "sync-colocated" else cfg.engine.backend
+    return make_engine(cfg.engine, cfg.model, backend=backend)
+
+
+def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
+    """Train for `cfg.trainer.iterations`; returns a summary. Writes under trainer.output_dir:
+    config.yaml, run_info.json, metrics.jsonl, trace.jsonl, trace.chrome.json, checkpoint/,
+    summary.json. `engine` lets tests and benchmarks share one started engine."""
+    out = Path(cfg.trainer.output_dir)
+    save_run_info(cfg, out)
+    torch.set_num_threads(cfg.trainer.threads)
+    torch.manual_seed(cfg.model.seed)
+    policy, tokenizer = load_policy(cfg.model)
+    examples, evals = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
+    shots = few_shot_examples(cfg.data)
+    reward_fn = combined_reward([load_reward_fn(f) for f in cfg.reward.functions], cfg.reward.weights)
+    tracer = Tracer(enabled=cfg.logging.trace)
+    consumer = Consumer(policy, cfg, tracer)  # tri-model's ref = the initial weights
+    start_iteration = 0
+    ckpt = _resume_dir(cfg)
+    if ckpt is not None:
+        start_iteration = _load_checkpoint(ckpt, policy, consumer)
+        print(f"[train] resumed from {ckpt} at iteration {start_iteration}")
+    own_engine = engine is None
+    engine = engine or build_engine(cfg)
+    producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer)
+    logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
+                           name=f"{cfg.pipeline.mode}-{out.name}")
+    history: list[dict] = []
+    iteration = start_iteration
+    try:
+        t = time.time()
+        engine.update_weights(policy.state_dict(), start_iteration)  # the engines start from our weights
+        tracer.add("weight_sync", "trainer", t, time.time(), version=start_iteration)
+        bar = None
+        if cfg.logging.progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.trainer.iterations, initial=start_iteration, desc=cfg.pipeline.mode, unit="it")
+        for iteration in range(start_iteration, cfg.trainer.iterations):
+            version = iteration
+            t_start = time.time()
+            producer.start(iteration)
+            if cfg.pipeline.mode == "periodic-async":
+                received: list[Group] = []
+
+                def stream():
+                    for g in producer.stream():
+                        received.append(g)
+                        yield g
+                train = consumer.train_iteration(stream(), iteration, version)
+                groups = received
+            else:  # synchronous: wait for the whole batch, train in dataset order
+                groups = sorted(producer.stream(), key=lambda g: g.timings["position"])
+                train = consumer.train_iteration(groups, iteration, version)
+            t_gen_end = max(g.timings["finished"] for g in groups)
+            t_sync = time.time()
+            engine.update_weights(policy.state_dict(), version + 1)  # the barrier
+            t_end = time.time()
+            tracer.add("weight_sync", "trainer", t_sync, t_end, version=version + 1)
+            m = _iteration_metrics(groups, t_start, t_gen_end, t_end, train, t_end - t_sync, cfg)
+            if cfg.trainer.eval_every and (iteration + 1) % cfg.trainer.eval_every == 0:
+                m["eval/accuracy"] = evaluate(policy, tokenizer, evals, shots, cfg.engine.max_tokens)["accuracy"]
+            logger.log(m, step=iteration + 1)
+            history.append({"iteration": iteration, **m})
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", tok_s=f"{m['throughput/tokens_per_s']:.0f}")
+            if cfg.trainer.save_every and (iteration + 1) % cfg.trainer.save_every == 0:
+                save_checkpoint(out, policy, tokenizer, consumer, iteration + 1)
+        iteration = cfg.trainer.iterations
+        if bar is not None:
+            bar.close()
+    except BaseException:
+        # Keep what was trained: with one optimizer step per iteration the weights are those
+        # at the end of the last completed iteration (a failed iteration never stepped).
+        if cfg.algorithm.optimizer_steps_per_iteration == 1 and iteration > start_iteration:
+            save_checkpoint(out, policy, tokenizer, consumer, iteration)
+        raise
+    finally:
+        producer.close()
+        if own_engine:
+            engine.close()
+        tracer.write(out)
+        logger.close()
+    save_checkpoint(out, policy, tokenizer, consumer, cfg.trainer.iterations)
+    summary = _summary(cfg, history)
+    if cfg.trainer.eval_at_end and evals:
+        summary["eval_accuracy"] = evaluate(policy, tokenizer, evals, shots, cfg.engine.max_tokens)["accuracy"]
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _summary(cfg: RunConfig, history: list[dict]) -> dict:
+    if not history:
+        return {"mode": cfg.pipeline.mode, "iterations": 0}
+    steady = history[1:] or history  # the first iteration pays start-up costs
+    total_tokens = sum(h["tokens/trained"] for h in steady)
+    total_time = sum(h["time/iteration_s"] for h in steady)
+    return {
+        "mode": cfg.pipeline.mode, "iterations": len(history), "devices": devices_in_use(cfg),
+        "tokens_per_s": total_tokens / total_time,
+        "tokens_per_s_per_device": total_tokens / total_time / devices_in_use(cfg),
+        "mean_generate_s": statistics.fmean(h["time/generate_s"] for h in steady),
+        "mean_train_s": statistics.fmean(h["time/train_s"] for h in steady),
+        "mean_iteration_s": statistics.fmean(h["time/iteration_s"] for h in steady),
+        "reward_first": history[0]["reward/mean"], "reward_last": history[-1]["reward/mean"],
+        "accuracy_first": history[0]["accuracy"], "accuracy_last": history[-1]["accuracy"],
+    }

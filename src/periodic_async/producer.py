@@ -1,0 +1,150 @@
+"""The producer (PAPER.md point 2, the "temporary data generator"): a background thread that
+turns an iteration's prompts into scored `Group`s on a queue.
+
+At the start of iteration t, once version t is on every engine, `start(t)` takes the
+iteration's B prompts (`data.iteration_prompts`: deterministic and resumable), submits
+B requests of G samples each to the engine at once (continuous batching does the rest),
+and as each group completes scores it with the reward function, computes its group
+advantages and puts it on a bounded queue, tagged with the engine's version.
+
+Guarantees: every prompt of the iteration is delivered exactly once (the consumer counts
+them); a request's sampling seed is a pure function of (run seed, iteration, prompt), so
+every pipeline mode samples the same tokens; an exception in the thread is re-raised in
+the consumer by `stream()`, which never blocks forever (engine timeouts bound generation).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+from periodic_async import grpo
+from periodic_async.config import RunConfig
+from periodic_async.data import Example, iteration_prompts, prompt_messages
+from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
+from periodic_async.group import Group
+from periodic_async.reward import correctness_reward
+from periodic_async.tokenizer import encode_chat
+from periodic_async.trace import Tracer
+
+
+class _Done:
+    """End of an iteration's stream."""
+
+
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def request_seed(run_seed: int, iteration: int, prompt_index: int) -> int:
+    """The sampling seed of one request: identical in every pipeline mode and on resume."""
+    return (run_seed * 1_000_003 + iteration * 100_003 + prompt_index) % (2**31 - 1)
+
+
+class Producer:
+    """Background generation for one iteration at a time; see the module docstring.
+
+    engine: any `Engine`; examples: training set; shots: few-shot prefix;
+    reward_fn: TRL-shaped f(prompts, completions, answer=...) -> list[float].
+    """
+
+    def __init__(self, engine: Engine, tokenizer, examples: Sequence[Example], shots: Sequence[Example],
+                 reward_fn: Callable[..., list[float]], cfg: RunConfig, tracer: Tracer | None = None) -> None:
+        self.engine, self.tokenizer, self.examples = engine, tokenizer, examples
+        self.shots, self.reward_fn, self.cfg = list(shots), reward_fn, cfg
+        self.tracer = tracer or Tracer(enabled=False)
+        self.queue: queue.Queue = queue.Queue(maxsize=cfg.pipeline.queue_size or cfg.algorithm.prompts_per_iteration + 1)
+        self._thread: threading.Thread | None = None
+        self._prompt_ids: dict[int, list[int]] = {}
+        self._stop = threading.Event()
+        self.params = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=cfg.engine.temperature,
+                                     top_p=cfg.engine.top_p, top_k=cfg.engine.top_k)
+
+    def prompt_ids(self, index: int) -> list[int]:
+        if index not in self._prompt_ids:
+            self._prompt_ids[index] = encode_chat(self.tokenizer, prompt_messages(self.examples[index], self.shots))
+        return self._prompt_ids[index]
+
+    def start(self, iteration: int) -> None:
+        """Begin generating iteration `iteration` (the engine must hold its version)."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("producer: previous iteration still running")
+        self._thread = threading.Thread(target=self._run, args=(iteration,), name=f"producer-{iteration}", daemon=True)
+        self._thread.start()
+
+    def stream(self, poll_s: float = 1.0) -> Iterator[Group]:
+        """Groups of the current iteration in completion order; re-raises producer errors."""
+        while True:
+            try:
+                item = self.queue.get(timeout=poll_s)
+            except queue.Empty:
+                if self._thread is None or not self._thread.is_alive():
+                    raise RuntimeError("producer thread ended without finishing the iteration") from None
+                continue
+            if isinstance(item, _Done):
+                return
+            if isinstance(item, _Failed):
+                raise item.exc
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # --- the thread -------------------------------------------------------------------------
+
+    def _run(self, iteration: int) -> None:
+        try:
+            cfg = self.cfg
+            batch = iteration_prompts(self.examples, iteration, cfg.algorithm.prompts_per_iteration, cfg.data.seed)
+            version = self.engine.version
+            requests, by_id = [], {}
+            for index, example in batch:
+                rid = f"it{iteration}-p{index}-{len(requests)}"
+                requests.append(Request(rid, self.prompt_ids(index), cfg.algorithm.group_size, self.params,
+                                        request_seed(cfg.data.seed, iteration, index)))
+                by_id[rid] = (len(requests) - 1, index, example)
+            submitted = time.time()
+            for out in self.engine.generate(requests):
+                if self._stop.is_set():
+                    return
+                position, index, example = by_id.pop(out.request_id)
+                group = self._score(out, index, example, iteration, version, submitted)
+                group.timings["position"] = position  # request (dataset) order, for the sync modes
+                self.queue.put(group)
+            if by_id:
+                raise RuntimeError(f"producer: engine finished without requests {sorted(by_id)[:5]}")
+            self.queue.put(_Done())
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
+            self.queue.put(_Failed(e))
+
+    def _score(self, out: RequestOutput, index: int, example: Example, iteration: int, version: int,
+               submitted: float) -> Group:
+        if out.version != version:
+            raise RuntimeError(f"producer: request {out.request_id} came back with version {out.version}, "
+                               f"expected {version}")
+        for k, ev in enumerate(out.events):
+            self.tracer.add("generate", f"worker{ev.get('worker', out.worker)}/slot{ev['slot']:02d}",
+                            ev["admitted"], ev["finished"], request=out.request_id, sample=k, prompt=index,
+                            tokens=len(out.samples[k].token_ids), first_token=ev.get("first_token"))
+        t0 = time.time()
+        texts = [s.text for s in out.samples]
+        prompt_text = prompt_messages(example, self.shots)[0]["content"]
+        G = len(texts)
+        rewards = self.reward_fn([prompt_text] * G, texts, answer=[example.answer] * G)
+        correct = correctness_reward(None, texts, answer=[example.answer] * G)
+        advantages = grpo.group_advantages([float(r) for r in rewards], mode=self.cfg.algorithm.advantage).tolist()
+        t1 = time.time()
+        self.tracer.add("reward", "producer", t0, t1, request=out.request_id)
+        return Group(
+            prompt_index=index, iteration=iteration, version=out.version, prompt_ids=self.prompt_ids(index),
+            response_ids=[s.token_ids for s in out.samples], behaviour_logprobs=[s.logprobs for s in out.samples],
+            rewards=[float(r) for r in rewards], advantages=advantages, texts=texts,
+            finish_reasons=[s.finish_reason for s in out.samples], answer=example.answer, correct=correct,
+            timings={"submitted": submitted, "finished": max(e["finished"] for e in out.events),
+                     "scored": t1, "reward_s": t1 - t0, "worker": out.worker},
+        )
