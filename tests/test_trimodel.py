@@ -1,0 +1,179 @@
+"""The tri-model: ratio exactly 1 with one optimizer step per iteration, old refreshed in
+place at the barrier, ref frozen forever, skipped copies not allocated, memory accounted."""
+
+import random
+
+import pytest
+import torch
+
+from periodic_async import grpo, trimodel
+from periodic_async.batching import split_groups
+from periodic_async.config import AlgorithmConfig, ModelConfig
+from periodic_async.group import Group
+from periodic_async.model import build_model, num_parameters
+from periodic_async.tokenizer import ensure_tokenizer
+from periodic_async.trimodel import TriModel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The machine is shared: one torch thread avoids oversubscription (restored afterwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return ensure_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def micro_batches(tokenizer):
+    """Three groups (G = 3) cut into micro-batches of at most 24 packed tokens, as fp64 inputs."""
+    rng = random.Random(0)
+    groups = []
+    for b in range(3):
+        responses = [[rng.randrange(4, len(tokenizer)) for _ in range(rng.randint(2, 7))] for _ in range(3)]
+        groups.append(Group(b, 0, 0, [rng.randrange(4, len(tokenizer)) for _ in range(6)], responses,
+                            [[-1.0] * len(r) for r in responses], [1.0, 0.0, 0.5],
+                            grpo.group_advantages([1.0, 0.0, 0.5]).tolist()))
+    return [mb.build(shared=True, dtype=torch.float64) for mb in split_groups(groups, max_tokens=24)]
+
+
+def policy_model(tokenizer):
+    return build_model(ModelConfig(name_or_path="qwen2-1m", dtype="float64", device="cpu", seed=0), tokenizer)
+
+
+def cfg_of(**kw) -> AlgorithmConfig:
+    return AlgorithmConfig(**{"lr": 1e-2, "max_grad_norm": 0.0, **kw})
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def same_params(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    pb = dict(b.named_parameters())
+    return all(torch.equal(p, pb[n]) for n, p in a.named_parameters())
+
+
+def run_step(tri: TriModel, mbs, opt) -> dict:
+    acc = grpo.LossAccumulator.from_config(tri.cfg)
+    for inp in mbs:
+        tri.micro_step(inp, acc)
+    return tri.optimizer_step(opt, acc)
+
+
+def test_ratio_is_one_with_single_step(tokenizer, micro_batches):
+    """One optimizer step per iteration: the skipped old forward gives old = policy (ratio exactly 1,
+    no old copy allocated); the general path's old forward gives bit-identical log-probs, and both
+    paths give the same gradient."""
+    packed = micro_batches[0].packed
+    skip = TriModel(policy_model(tokenizer), cfg_of(skip_old_forward=True))
+    assert skip.skip_old and skip.old is None
+    out = skip.forward(packed)
+    assert not out.old_N.requires_grad and out.policy_N.requires_grad
+    assert torch.equal(torch.exp(out.policy_N - out.old_N), torch.ones_like(out.old_N))
+
+    full = TriModel(policy_model(tokenizer), cfg_of(skip_old_forward=False))
+    assert not full.skip_old and full.old is not None
+    out_full = full.forward(packed)
+    assert torch.equal(out_full.old_N, out_full.policy_N.detach())
+    assert torch.equal(out_full.policy_N.detach(), out.policy_N.detach())
+
+    grads = []
+    for tri in (skip, full):
+        acc = grpo.LossAccumulator("token-mean")
+        for inp in micro_batches:
+            tri.micro_step(inp, acc)
+        acc.finalize_gradients(tri.policy.parameters())
+        grads.append({n: p.grad for n, p in tri.policy.named_parameters()})
+        assert acc.metrics()["clip_frac"] == 0.0
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+def test_skip_old_forward_needs_single_step(tokenizer):
+    """With several optimizer steps per iteration old != policy after the first: the flag is ignored."""
+    tri = TriModel(policy_model(tokenizer), cfg_of(skip_old_forward=True, optimizer_steps_per_iteration=2))
+    assert not tri.skip_old and tri.old is not None
+
+
+def test_old_refreshes_at_barrier(tokenizer, micro_batches):
+    """Two optimizer steps in one iteration: old keeps theta_t (its log-probs do not move) while the
+    policy moves; `refresh_old` copies the policy into the same tensors (no new allocation), after which
+    old and policy agree exactly."""
+    tri = TriModel(policy_model(tokenizer), cfg_of(skip_old_forward=True, optimizer_steps_per_iteration=2))
+    opt = torch.optim.SGD(tri.policy.parameters(), lr=0.5)
+    theta_t = params_of(tri.policy)
+    old_ptrs = {n: p.data_ptr() for n, p in tri.old.named_parameters()}
+    old_N_before = tri.forward(micro_batches[0].packed).old_N
+    for step in range(2):  # two optimizer steps inside one iteration
+        run_step(tri, micro_batches, opt)
+        out = tri.forward(micro_batches[0].packed)
+        assert torch.equal(out.old_N, old_N_before)
+        assert not torch.equal(out.policy_N.detach(), out.old_N)
+    assert all(torch.equal(p, theta_t[n]) for n, p in tri.old.named_parameters())
+    assert not same_params(tri.old, tri.policy)
+    tri.refresh_old()  # the barrier
+    assert same_params(tri.old, tri.policy)
+    assert {n: p.data_ptr() for n, p in tri.old.named_parameters()} == old_ptrs
+    assert all(not p.requires_grad for p in tri.old.parameters())
+    out = tri.forward(micro_batches[0].packed)
+    assert torch.equal(out.old_N, out.policy_N.detach())
+    assert tri.old.model.embed_tokens.weight is tri.old.lm_head.weight  # tied weights stay tied
+
+
+def test_ref_never_changes(tokenizer, micro_batches):
+    """beta > 0: over several iterations (steps + barriers) the reference keeps the initial weights and
+    log-probs, gets no gradient, while the policy moves away (KL > 0)."""
+    tri = TriModel(policy_model(tokenizer), cfg_of(beta=0.1, skip_old_forward=True))
+    opt = torch.optim.AdamW(tri.policy.parameters(), lr=1e-2)
+    theta_0 = params_of(tri.policy)
+    ref_N_0 = tri.forward(micro_batches[0].packed).ref_N
+    for iteration in range(3):
+        metrics = run_step(tri, micro_batches, opt)
+        assert all(p.grad is None for p in tri.ref.parameters())
+        tri.refresh_old()
+    assert all(torch.equal(p, theta_0[n]) for n, p in tri.ref.named_parameters())
+    out = tri.forward(micro_batches[0].packed)
+    assert torch.equal(out.ref_N, ref_N_0)
+    assert not torch.equal(out.policy_N.detach(), out.ref_N)
+    assert metrics["kl"] > 0
+
+
+def test_beta_zero_has_no_reference(tokenizer, micro_batches):
+    """beta == 0: no reference copy, no reference forward."""
+    tri = TriModel(policy_model(tokenizer), cfg_of(beta=0.0))
+    assert tri.ref is None and tri.forward(micro_batches[0].packed).ref_N is None
+
+
+@pytest.mark.parametrize("beta,skip,copies", [(0.1, False, 3), (0.1, True, 2), (0.0, False, 2), (0.0, True, 1)])
+def test_memory_counts_parameter_bytes(tokenizer, beta, skip, copies):
+    """fp64: 8 bytes per unique parameter per allocated model; skipped models cost nothing."""
+    tri = TriModel(policy_model(tokenizer), cfg_of(beta=beta, skip_old_forward=skip))
+    m = tri.memory()
+    one = 8 * num_parameters(tri.policy)
+    assert m["policy_bytes"] == one
+    assert m["old_bytes"] == (0 if skip else one) and m["ref_bytes"] == (one if beta > 0 else 0)
+    assert m["total_bytes"] == copies * one
+
+
+def test_logprob_kwargs_reach_token_logprobs(tokenizer, micro_batches, monkeypatch):
+    """Extra kwargs (e.g. an attention back-end) go to every `token_logprobs` call; none by default."""
+    seen = []
+    real = trimodel.token_logprobs
+
+    def spy(model, batch, **kw):
+        seen.append(dict(kw))
+        kw.pop("backend", None)
+        return real(model, batch, **kw)
+
+    monkeypatch.setattr(trimodel, "token_logprobs", spy)
+    cfg = cfg_of(beta=0.1, skip_old_forward=False)
+    TriModel(policy_model(tokenizer), cfg).forward(micro_batches[0].packed, with_entropy=False)
+    assert seen == [{}, {}, {}]
+    seen.clear()
+    TriModel(policy_model(tokenizer), cfg, logprob_kwargs={"backend": "split"}).forward(micro_batches[0].packed)
+    assert seen == [{"with_entropy": True, "backend": "split"}, {"backend": "split"}, {"backend": "split"}]
