@@ -190,7 +190,8 @@ class LossAccumulator:
 
     @classmethod
     def from_config(cls, cfg, max_tokens: int | None = None) -> "LossAccumulator":
-        """From an `AlgorithmConfig`; max_tokens (EngineConfig.max_tokens) sets the constant."""
+        """From an `AlgorithmConfig`; max_tokens (EngineConfig.max_tokens) sets the constant,
+        B * G * max_tokens per optimizer step (B / optimizer_steps_per_iteration prompts each)."""
         constant = None
         if cfg.loss_norm == "constant":
             if not max_tokens:

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Tri-model cost (PAPER.md point 5): micro-step time of policy/old/ref vs policy only, and weight
+# memory; writes $RESULTS_DIR/trimodel_cost.csv (default results/).
+#   bash experiments/trimodel_cost.sh          # qwen2-5m, fp32, about a minute
+#   QUICK=1 bash experiments/trimodel_cost.sh  # qwen2-1m, a few seconds
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ -f .venv/bin/activate ]]; then source .venv/bin/activate; fi
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+RESULTS_DIR="${RESULTS_DIR:-results}"
+ARGS=()
+if [[ "${QUICK:-0}" == "1" ]]; then ARGS+=(--quick); fi
+python experiments/trimodel_cost.py --out "$RESULTS_DIR/trimodel_cost.csv" "${ARGS[@]}" "$@"
