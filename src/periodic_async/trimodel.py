@@ -14,7 +14,9 @@ Two shortcuts, both exact:
   policy throughout the iteration and the ratio is exactly 1; with
   `cfg.skip_old_forward` the old forward is skipped (old log-probs = policy log-probs,
   detached) and the old copy is not even allocated. With several optimizer steps per
-  iteration the flag is ignored: the old forward is required there.
+  iteration the flag is ignored: the old forward is required there. (Without the skip the
+  old forward is bit-identical to the policy's at the iteration start, given a deterministic
+  forward: no dropout, which the HF Qwen presets do not have.)
 - beta == 0: no reference forward and no reference copy.
 
 API (the consumer's iteration)::
