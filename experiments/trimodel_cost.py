@@ -69,12 +69,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=8, help="timed rounds (after one warm-up round)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokenizer", default="artifacts/tokenizer")
-    ap.add_argument("--quick", action="store_true", help="qwen2-1m, small micro-batch, 5 rounds")
+    ap.add_argument("--quick", action="store_true", help="qwen2-1m, small micro-batch, 9 rounds")
     ap.add_argument("--out", default="results/trimodel_cost.csv")
     args = ap.parse_args()
     if args.quick:
         args.preset, args.groups, args.group_size, args.prompt_len, args.response_len, args.repeats = \
-            "qwen2-1m", 2, 4, 48, 24, 5
+            "qwen2-1m", 2, 4, 48, 24, 9
     torch.set_num_threads(args.threads)
 
     tokenizer = ensure_tokenizer(args.tokenizer)

@@ -21,7 +21,8 @@ Two shortcuts, both exact:
 
 API (the consumer's iteration)::
 
-    tri = TriModel(policy, cfg.algorithm)                 # cfg.algorithm: AlgorithmConfig
+    tri = TriModel(policy, cfg.algorithm,                 # cfg.algorithm: AlgorithmConfig
+                   logprob_kwargs={"backend": cfg.algorithm.attention_backend})  # optional
     acc = LossAccumulator.from_config(cfg.algorithm, cfg.engine.max_tokens)
     for mb in micro_batches:                              # batching.MicroBatch, any order
         tri.micro_step(mb.build(shared=cfg.algorithm.shared_prompt, device=...), acc)
@@ -79,7 +80,7 @@ class TriModel:
     cfg: an `AlgorithmConfig` (beta, skip_old_forward, optimizer_steps_per_iteration, loss_norm,
          eps_low, eps_high, max_grad_norm).
     logprob_kwargs: extra keyword arguments passed to `shared_prompt.token_logprobs` for all
-         three models (e.g. an attention back-end); none by default.
+         three models, e.g. {"backend": "split"}; none by default (token_logprobs' own default).
     """
 
     def __init__(self, policy: torch.nn.Module, cfg, logprob_kwargs: dict | None = None):
