@@ -163,8 +163,11 @@ def split_plan(batch: PackedBatch) -> SplitPlan:
     Requires what `pack` guarantees: segments contiguous, each starting with one prompt run
     (response -1), followed by contiguous responses.
     """
-    runs, counts = torch.unique_consecutive(torch.stack([batch.segment_T, batch.response_T]), dim=1,
-                                            return_counts=True)
+    seg, resp = batch.segment_T, batch.response_T
+    starts = torch.cat([torch.zeros(1, dtype=torch.long, device=seg.device),
+                        1 + torch.nonzero((seg[1:] != seg[:-1]) | (resp[1:] != resp[:-1]))[:, 0]])
+    counts = torch.diff(starts, append=torch.tensor([seg.shape[0]], device=seg.device))
+    runs = torch.stack([seg[starts], resp[starts]])  # 2 x runs: (segment, response) of each run
     calls: list[list[int]] = []
     seen_segments: set[int] = set()
     pos, prompt, after_prompt, seen_resp = 0, (0, 0), False, set()
