@@ -26,3 +26,11 @@ def tokenizer(tokenizer_dir):
     from periodic_async.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer_dir)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tests share a 2-core machine with Ray workers: one thread is faster and deterministic."""
+    import torch
+
+    torch.set_num_threads(1)

@@ -129,6 +129,8 @@ class EngineConfig:
     """Nucleus sampling mass."""
     top_k: int = 0
     """Top-k sampling; 0 disables."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a sample ends once its text contains one (eos always stops)."""
     ray_address: str = ""
     """Address of an existing Ray cluster; empty starts Ray locally."""
     timeout_s: float = 600.0
@@ -250,6 +252,8 @@ class LoggingConfig:
     """Write the timeline (trace.jsonl and a Chrome trace)."""
     progress: bool = True
     """Show a tqdm progress bar."""
+    rollouts: bool = True
+    """Write every group (tokens, texts, rewards, version, arrival order) to rollouts.jsonl."""
 
     def __post_init__(self) -> None:
         _check(self.wandb_mode in ("offline", "online", "disabled"), "logging", "wandb_mode", self.wandb_mode,

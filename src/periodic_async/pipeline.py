@@ -74,6 +74,17 @@ def _iteration_metrics(groups: list[Group], t_start: float, t_gen_end: float, t_
     return m
 
 
+def _write_rollouts(path: Path, groups: list[Group]) -> None:
+    """Append the iteration's groups, in the order the trainer consumed them."""
+    with path.open("a") as f:
+        for arrival, g in enumerate(groups):
+            f.write(json.dumps({"iteration": g.iteration, "version": g.version, "prompt_index": g.prompt_index,
+                                "position": g.timings.get("position"), "arrival": arrival,
+                                "rewards": g.rewards, "advantages": g.advantages, "correct": g.correct,
+                                "answer": g.answer, "texts": g.texts, "response_ids": g.response_ids,
+                                "finish_reasons": g.finish_reasons}) + "\n")
+
+
 def save_checkpoint(out_dir: Path, policy, tokenizer, consumer: Consumer, next_iteration: int) -> Path:
     """Atomically replace <out_dir>/checkpoint (written to a temp dir, then renamed)."""
     final, tmp = out_dir / "checkpoint", out_dir / "checkpoint.tmp"
@@ -138,6 +149,9 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     if ckpt is not None:
         start_iteration = _load_checkpoint(ckpt, policy, consumer)
         print(f"[train] resumed from {ckpt} at iteration {start_iteration}")
+    else:  # a fresh run does not append to an earlier run's logs
+        for name in ("metrics.jsonl", "rollouts.jsonl", "trace.jsonl", "trace.chrome.json", "summary.json"):
+            (out / name).unlink(missing_ok=True)
     own_engine = engine is None
     engine = engine or build_engine(cfg)
     producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer)
@@ -175,6 +189,8 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
             engine.update_weights(policy.state_dict(), version + 1)  # the barrier
             t_end = time.time()
             tracer.add("weight_sync", "trainer", t_sync, t_end, version=version + 1)
+            if cfg.logging.rollouts:
+                _write_rollouts(out / "rollouts.jsonl", groups)
             m = _iteration_metrics(groups, t_start, t_gen_end, t_end, train, t_end - t_sync, cfg)
             if cfg.trainer.eval_every and (iteration + 1) % cfg.trainer.eval_every == 0:
                 m["eval/accuracy"] = evaluate(policy, tokenizer, evals, shots, cfg.engine.max_tokens)["accuracy"]
