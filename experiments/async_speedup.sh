@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Asynchrony alone: periodic-async vs sync-separated vs sync-colocated (see async_speedup.py).
+#   bash experiments/async_speedup.sh          QUICK=1 for a smoke run; RESULTS_DIR (default results)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup_env.sh
+quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick)
+python experiments/async_speedup.py "${quick[@]}" --results "${RESULTS_DIR:-results}" "$@"

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Supervised warm start of the RL base policy: tokenizer, SFT, held-out accuracy.
+#   bash experiments/warm_start.sh       QUICK=1 (shorter); RESULTS_DIR (default results)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup_env.sh
+results="${RESULTS_DIR:-results}"
+out=artifacts/sft-qwen2-1m
+args=()
+if [ "${QUICK:-0}" != 0 ]; then out=artifacts/sft-quick; args+=(sft.max_steps=60 data.num_eval=50); fi
+python -m periodic_async sft --config experiments/sft.yaml sft.output_dir="$out" "${args[@]}" "$@"
+mkdir -p "$results"
+python - "$out/sft_summary.json" "$results/sft.csv" <<'PY'
+import csv, json, sys
+summary = json.load(open(sys.argv[1]))
+keys = ["model", "parameters", "steps", "examples_seen", "train_seconds", "eval_n", "accuracy_before", "accuracy_after"]
+with open(sys.argv[2], "w", newline="") as f:
+    w = csv.writer(f); w.writerow(keys); w.writerow([summary[k] for k in keys])
+print(f"wrote {sys.argv[2]}")
+PY

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The CPU-scale reproduction, end to end: warm start, then one experiment per paper claim,
+# then the README tables from the results they wrote.
+#   bash run_all.sh            full run (about an hour on 2 cores)
+#   QUICK=1 bash run_all.sh    smoke run of the same path (a few minutes)
+# RESULTS_DIR (default results) redirects every CSV.
+set -euo pipefail
+cd "$(dirname "$0")"
+source scripts/setup_env.sh
+export RESULTS_DIR="${RESULTS_DIR:-results}"
+step() { echo; echo "=== $* ($(date +%H:%M:%S))"; }
+
+step "tokenizer"
+python -m periodic_async.tokenizer artifacts/tokenizer
+step "warm start (supervised) and held-out accuracy"
+bash experiments/warm_start.sh
+for exp in engine_throughput shared_prompt_ablation trimodel_cost async_speedup; do
+  if [ -f "experiments/$exp.sh" ]; then
+    step "experiment: $exp"
+    bash "experiments/$exp.sh"
+  fi
+done
+if [ "$RESULTS_DIR" = results ]; then
+  step "README tables from results/"
+  python scripts/update_readme.py
+fi
+echo "done: results in $RESULTS_DIR/, figures in figures/"

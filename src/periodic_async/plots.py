@@ -1,0 +1,67 @@
+"""Figures drawn from saved run artifacts (trace.jsonl, results/*.csv); notebooks call these.
+
+`plot_timeline` redraws the paper's Figure 1 from real runs: one panel per run (e.g.
+sync-separated above periodic-async), same workload and time axis; a row per engine slot
+with one bar per sample (labelled with its prompt), a trainer row with micro-steps,
+optimizer steps and weight syncs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from periodic_async.trace import read_trace
+
+_TRAINER_COLORS = {"micro_step": "#4C72B0", "optimizer_step": "#C44E52", "weight_sync": "#8172B2"}
+
+
+def plot_timeline(runs: Sequence[tuple[str, str | Path]], out_path: str | Path, iterations: int | None = 2,
+                  max_slots: int = 16):
+    """Draw one panel per (label, trace.jsonl) on a shared time axis; saves `out_path`.
+
+    iterations: draw only the first N iterations after the first weight sync (None: all).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for label, path in runs:
+        events = read_trace(path)
+        syncs = sorted(e["start"] for e in events if e["name"] == "weight_sync")
+        t0 = syncs[0] + next(e["dur"] for e in events if e["name"] == "weight_sync") if syncs else \
+            min(e["start"] for e in events)
+        t1 = syncs[iterations] + 1e-3 if iterations is not None and len(syncs) > iterations else float("inf")
+        chosen = [e for e in events if e["start"] >= t0 - 1e-6 and e["start"] < t1]
+        panels.append((label, chosen, t0))
+    span = max((max(e["start"] + e["dur"] for e in ev) - t0) for _, ev, t0 in panels if ev)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 1.2 + 0.32 * max_slots * len(panels)), sharex=True,
+                             squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    for ax, (label, events, t0) in zip(axes[:, 0], panels):
+        slots = sorted({e["track"] for e in events if e["name"] == "generate"})[:max_slots]
+        rows = {track: i for i, track in enumerate(["trainer"] + slots[::-1])}
+        for e in events:
+            if e["track"] not in rows:
+                continue
+            y, x = rows[e["track"]], e["start"] - t0
+            if e["name"] == "generate":
+                p = e["args"].get("prompt", 0)
+                ax.barh(y, e["dur"], left=x, height=0.8, color=cmap(p % 20), edgecolor="black", linewidth=0.3)
+                if e["dur"] > span / 60:
+                    ax.text(x + e["dur"] / 2, y, str(p), ha="center", va="center", fontsize=6)
+            elif e["name"] in _TRAINER_COLORS:
+                ax.barh(y, max(e["dur"], span / 800), left=x, height=0.8, color=_TRAINER_COLORS[e["name"]])
+        ax.set_yticks(list(rows.values()), list(rows.keys()), fontsize=7)
+        ax.set_title(label, fontsize=10, loc="left")
+        ax.set_xlim(0, span * 1.01)
+    axes[-1, 0].set_xlabel("seconds (bars on engine slots: one sample, labelled with its prompt index; trainer: "
+                           "micro-steps blue, optimizer step red, weight sync purple)", fontsize=8)
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
