@@ -132,3 +132,54 @@ def test_resume_continues_the_same_trajectory(engine, tokenizer_dir, tmp_path):
     run(resumed, engine=engine)
     assert _by_prompt(_rollouts(full)) == _by_prompt(_rollouts(resumed))
     assert _max_diff(_final_weights(full), _final_weights(resumed)) <= 1e-10
+
+
+def failing_reward(prompts, completions, **kwargs):
+    """Fails on the second iteration's prompts (the test sets data so that it does)."""
+    import os
+
+    calls = int(os.environ.get("_PA_REWARD_CALLS", "0")) + 1
+    os.environ["_PA_REWARD_CALLS"] = str(calls)
+    if calls > 6:  # 6 groups per iteration: the 7th call is in iteration 1
+        raise ValueError("reward service unavailable")
+    return diversity_reward(prompts, completions)
+
+
+def test_producer_error_stops_the_run_and_keeps_the_checkpoint(engine, tokenizer_dir, tmp_path, monkeypatch):
+    """A crash in the producer thread surfaces in the trainer (no hang), and the weights of the
+    last completed iteration are saved."""
+    monkeypatch.setenv("_PA_REWARD_CALLS", "0")
+    cfg = _cfg(tmp_path, tokenizer_dir, "periodic-async", **{"reward.functions": f"{HERE}:failing_reward"})
+    with pytest.raises(ValueError, match="reward service unavailable"):
+        run(cfg, engine=engine)
+    state = torch.load(Path(cfg.trainer.output_dir) / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["next_iteration"] == 1
+    assert len(_rollouts(cfg)) == 6
+
+
+def test_colocated_mode_samples_the_same_tokens(engine, tokenizer_dir, tmp_path):
+    """sync-colocated (in-process engine, same dispatch) follows sync-separated."""
+    sep = _cfg(tmp_path, tokenizer_dir, "sync-separated", **{"trainer.iterations": 2})
+    col = _cfg(tmp_path, tokenizer_dir, "sync-colocated", **{"trainer.iterations": 2})
+    run(sep, engine=engine)
+    run(col)
+    assert _by_prompt(_rollouts(sep)) == _by_prompt(_rollouts(col))
+    assert _max_diff(_final_weights(sep), _final_weights(col)) <= 1e-10
+
+
+def test_trace_records_every_phase_and_draws_the_timeline(engine, tokenizer_dir, tmp_path):
+    from periodic_async.plots import plot_timeline
+    from periodic_async.trace import read_trace
+
+    cfg = _cfg(tmp_path, tokenizer_dir, "periodic-async", **{"trainer.iterations": 2})
+    run(cfg, engine=engine)
+    events = read_trace(Path(cfg.trainer.output_dir) / "trace.jsonl")
+    names = {e["name"] for e in events}
+    assert {"generate", "reward", "micro_step", "optimizer_step", "weight_sync"} <= names
+    gen = [e for e in events if e["name"] == "generate"]
+    assert len(gen) == 2 * 6 * 3  # one bar per sample
+    assert {e["track"].split("/")[0] for e in gen} == {"worker0", "worker1"}
+    metrics = [json.loads(x) for x in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["time/generate_s"] <= m["time/iteration_s"] for m in metrics)
+    png = plot_timeline([("async", Path(cfg.trainer.output_dir) / "trace.jsonl")], tmp_path / "t.png")
+    assert png.stat().st_size > 10_000
