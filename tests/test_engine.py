@@ -188,9 +188,16 @@ def test_no_mixed_versions(model_cfg, tokenizer, ray_engine):
 
 def test_worker_crash_raises(ray_session, model_cfg, tokenizer, ray_engine):
     """A worker killed mid-generation (SIGKILL of its process) surfaces as EngineError naming
-    the worker and its requests within seconds; a worker that raises does too."""
+    the worker and its requests within seconds; so do a worker that raises and one that stays
+    silent for timeout_s."""
     engine = make_engine(EngineConfig(backend="ray", num_workers=1, max_num_seqs=2, timeout_s=60), model_cfg)
     try:
+        engine.timeout_s = 1.0  # silent: a 4000-token sample returns nothing for longer than that
+        t = time.time()
+        with pytest.raises(EngineError, match=r"worker 0 .*slow.*no result for 1 s"):
+            list(engine.generate([req(tokenizer, "slow", "slow", max_tokens=4000, ignore_eos=True)]))
+        assert time.time() - t < 10
+        engine.timeout_s = 60.0
         pid = engine.info()[0]["pid"]
         reqs = [req(tokenizer, "quick", "quick", max_tokens=2, ignore_eos=True)]
         reqs += [req(tokenizer, f"crash{i}", "long", n=2, max_tokens=4000, ignore_eos=True, seed=i) for i in range(3)]

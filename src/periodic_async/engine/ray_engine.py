@@ -34,14 +34,16 @@ PING_AFTER_S = 2.0
 """A worker silent this long gets a liveness ping (a dead actor fails it at once)."""
 
 
+def _offline_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if k in os.environ}
+
+
 def init_ray(engine_cfg) -> bool:
     """Start Ray locally (or join `engine_cfg.ray_address`) unless it is running; True if we started it."""
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM")
-           if k in os.environ}
-    common = dict(log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": env})
+    common = dict(log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": _offline_env()})
     if engine_cfg.ray_address:
         ray.init(address=engine_cfg.ray_address, **common)
     else:
@@ -127,8 +129,11 @@ class RayEngine(Engine):
         actor = ray.remote(EngineWorker).options(
             num_cpus=cpus, num_gpus=gpus, max_concurrency=2, max_restarts=0,
             scheduling_strategy="SPREAD" if engine_cfg.ray_address else "DEFAULT",
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}})
+            runtime_env={"env_vars": {**_offline_env(), "OMP_NUM_THREADS": str(threads),
+                                      "TOKENIZERS_PARALLELISM": "false"}})
         cfg = _absolute_paths(model_cfg)
+        if gpus:  # Ray shows each actor its own GPU as cuda:0
+            cfg = dataclasses.replace(cfg, device="cuda")
         self.workers = [actor.remote(cfg, engine_cfg.max_num_seqs, w, threads) for w in range(engine_cfg.num_workers)]
         for w, ref in enumerate([a.info.remote() for a in self.workers]):
             try:
@@ -148,16 +153,17 @@ class RayEngine(Engine):
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
         assert not self._active, "one generate() at a time"
         self._active = True
-        per_worker: dict[int, list[Request]] = {}
-        for w, r in zip(assign_workers(requests, len(self.workers)), requests):
-            per_worker.setdefault(w, []).append(r)
-        pending = {w: [r.request_id for r in rs] for w, rs in per_worker.items()}
         call = self._calls = self._calls + 1
-        streams = {w: self.workers[w].generate.options(num_returns="streaming").remote(rs, call)
-                   for w, rs in per_worker.items()}
-        silent = dict.fromkeys(streams, 0.0)  # seconds spent waiting on each worker since its last result
-        pings: dict[int, ray.ObjectRef] = {}
+        streams: dict = {}
         try:
+            per_worker: dict[int, list[Request]] = {}
+            for w, r in zip(assign_workers(requests, len(self.workers)), requests):
+                per_worker.setdefault(w, []).append(r)
+            pending = {w: [r.request_id for r in rs] for w, rs in per_worker.items()}
+            streams = {w: self.workers[w].generate.options(num_returns="streaming").remote(rs, call)
+                       for w, rs in per_worker.items()}
+            silent = dict.fromkeys(streams, 0.0)  # seconds spent waiting on each worker since its last result
+            pinged: dict[int, tuple[float, ray.ObjectRef]] = {}  # liveness pings in flight
             while streams:
                 t = time.perf_counter()
                 ready, _ = ray.wait(list(streams.values()), num_returns=1, timeout=0.5)
@@ -180,9 +186,9 @@ class RayEngine(Engine):
                                           [out.request_id])
                     pending[w].remove(out.request_id)
                     silent[w] = 0.0
-                    pings.pop(w, None)
+                    pinged.pop(w, None)
                     yield out
-                self._check_alive(streams, silent, pings, pending)
+                self._check_alive(streams, silent, pinged, pending)
         finally:
             for w in streams:  # abandoned or failed: stop the others (best effort)
                 try:
@@ -191,20 +197,23 @@ class RayEngine(Engine):
                     pass
             self._active = False
 
-    def _check_alive(self, streams, silent, pings, pending) -> None:
+    def _check_alive(self, streams, silent, pinged, pending) -> None:
+        """Timeout, and actor death not yet reported on the stream: a dead actor fails a ping at once."""
         for w in streams:
             if silent[w] > self.timeout_s:
                 raise EngineError(f"no result for {self.timeout_s:.0f} s (timeout_s)", w, pending[w])
-            if w in pings:
-                done, _ = ray.wait([pings[w]], timeout=0)
+            if w in pinged:
+                sent_at, ref = pinged[w]
+                done, _ = ray.wait([ref], timeout=0)
                 if done:
                     try:
-                        ray.get(done[0])
+                        ray.get(ref)
                     except Exception as e:
                         raise EngineError(_describe(e), w, pending[w]) from e
-                    del pings[w]
+                    if silent[w] - sent_at > PING_AFTER_S:
+                        del pinged[w]  # alive; ping again later
             elif silent[w] > PING_AFTER_S:
-                pings[w] = self.workers[w].info.remote()
+                pinged[w] = (silent[w], self.workers[w].info.remote())
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         assert not self._active, "update_weights during generate() would mix versions"
