@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("command", choices=["train", "sft", "eval"])
     parser.add_argument("--config", default=None, help="YAML config (see experiments/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     from periodic_async.config import ConfigError, RunConfig, SFTRunConfig, load_config
 
     try:

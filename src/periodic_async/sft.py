@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=None, help="YAML file (sections model, data, sft, logging)")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     return run_sft(load_config(SFTRunConfig, args.config, args.overrides))
 
 
