@@ -6,7 +6,8 @@ workload, side by side in one run, against the bound (T_gen + T_train) / max(T_g
 T_gen and T_train come from the sync-separated run (no overlap there): generation wall time
 and trainer busy time per iteration, first iteration excluded (start-up). Writes
 <results>/async_speedup.csv (mode,tokens_per_s,speedup_vs_sync_separated,bound,efficiency),
-<results>/async_speedup_phases.csv, figures/timeline.png (the paper's Figure 1 from these runs).
+<results>/async_speedup_phases.csv, figures/timeline.png (the paper's Figure 1 from these runs, traces kept in
+<results>/timeline/), figures/async_speedup.png.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import sys
 from pathlib import Path
 
 from periodic_async.config import RunConfig, load_config
 from periodic_async.pipeline import run
-from periodic_async.plots import plot_timeline
+from periodic_async.plots import plot_async_speedup, plot_timeline
 
 HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async", "sync-colocated"]
@@ -73,8 +75,14 @@ def main(argv=None) -> list[dict]:
             s = summaries[mode]
             w.writerow([mode, round(s["mean_generate_s"], 3), round(s["mean_train_s"], 3),
                         round(s["mean_iteration_s"], 3), round(s["tokens_per_s_per_device"], 1), s["devices"]])
-    plot_timeline([(f"{m}: {summaries[m]['tokens_per_s']:.0f} tokens/s", Path(args.runs) / m / "trace.jsonl")
-                   for m in ("sync-separated", "periodic-async")], args.figure)
+    timeline = []
+    for m in ("sync-separated", "periodic-async"):  # keep the traces: the notebook redraws from results/
+        trace = out / "timeline" / f"{m}.trace.jsonl"
+        trace.parent.mkdir(exist_ok=True)
+        shutil.copy(Path(args.runs) / m / "trace.jsonl", trace)
+        timeline.append((f"{m}: {summaries[m]['tokens_per_s']:.0f} tokens/s", trace))
+    plot_timeline(timeline, args.figure)
+    plot_async_speedup(out / "async_speedup.csv", "figures/async_speedup.png")
     for r in rows:
         print(r)
     print(f"[async_speedup] T_gen={t_gen:.2f}s T_train={t_train:.2f}s bound={bound:.2f}; wrote {out}/async_speedup.csv, "

@@ -65,3 +65,60 @@ def plot_timeline(runs: Sequence[tuple[str, str | Path]], out_path: str | Path, 
     fig.savefig(out, dpi=130)
     plt.close(fig)
     return out
+
+
+def plot_async_speedup(csv_path: str | Path, out_path: str | Path):
+    """Bar chart of results/async_speedup.csv: speedup over sync-separated per mode, and the bound."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(Path(csv_path).open()))
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    speedups = [float(r["speedup_vs_sync_separated"]) for r in rows]
+    ax.bar([r["mode"] for r in rows], speedups, color=["#999999", "#C44E52", "#4C72B0"][: len(rows)])
+    ax.axhline(float(rows[0]["bound"]), ls="--", color="black", lw=1,
+               label=f"bound (T_gen+T_train)/max = {float(rows[0]['bound']):.2f}")
+    for i, v in enumerate(speedups):
+        ax.text(i, v, f"{v:.2f}x", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("tokens/s vs sync-separated")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def plot_reward_curves(csv_path: str | Path, out_path: str | Path):
+    """Training reward per iteration of each mode (results/reward_curves.csv), one line per mode."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(csv.DictReader(Path(csv_path).open()))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for mode, style in (("sync-separated", "-"), ("periodic-async", "--")):
+        mine = [r for r in rows if r["mode"] == mode]
+        its = [int(r["iteration"]) for r in mine]
+        axes[0].plot(its, [float(r["reward_mean"]) for r in mine], style, label=mode)
+        ev = [(int(r["iteration"]), float(r["eval_accuracy"])) for r in mine if r["eval_accuracy"] not in ("", None)]
+        if ev:
+            axes[1].plot(*zip(*ev), style + "o", label=mode)
+    axes[0].set(xlabel="iteration", ylabel="training reward (mean)")
+    axes[1].set(xlabel="iteration", ylabel="held-out accuracy (greedy)")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
