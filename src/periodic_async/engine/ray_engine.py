@@ -112,6 +112,10 @@ def _absolute_paths(model_cfg):
     return dataclasses.replace(model_cfg, **changes)
 
 
+STARTUP_TIMEOUT_S = 300.0
+"""How long a new worker may take to import its libraries and build its model."""
+
+
 class RayEngine(Engine):
     def __init__(self, engine_cfg, model_cfg, sync: WeightSync | None = None):
         self.cfg = engine_cfg
@@ -135,9 +139,10 @@ class RayEngine(Engine):
         if gpus:  # Ray shows each actor its own GPU as cuda:0
             cfg = dataclasses.replace(cfg, device="cuda")
         self.workers = [actor.remote(cfg, engine_cfg.max_num_seqs, w, threads) for w in range(engine_cfg.num_workers)]
+        startup_s = max(self.timeout_s, STARTUP_TIMEOUT_S)  # importing torch on a loaded machine is slow
         for w, ref in enumerate([a.info.remote() for a in self.workers]):
             try:
-                ray.get(ref, timeout=self.timeout_s)
+                ray.get(ref, timeout=startup_s)
             except Exception as e:
                 self.close()
                 raise EngineError(f"did not start: {e}", w) from e
