@@ -6,7 +6,9 @@ The paper claims ~8x on long prompts; the ceiling is the token ratio
 and `efficiency = speedup / token_bound` says how much of it an attention back-end keeps.
 
 Per grid point (P, G, mean R; response lengths uniform in [R/2, 3R/2]) one group is timed,
-variants interleaved round by round (rotating order, so machine noise hits them alike):
+variants interleaved round by round (rotating order, so machine noise hits them alike). On CPU
+the clock is the process's CPU time: other jobs on a shared 2-core machine inflated wall times
+by up to 3x in probes, CPU time stayed within a few percent (1 thread: same as a quiet wall clock).
     per-response, varlen:  pack(shared=False) through the split back-end (one causal call per row)
     per-response, padded:  G right-padded rows, plain causal SDPA (what most RL trainers run)
     shared, <backend>:     pack(shared=True) through dense / split (/ flex on CUDA)
@@ -90,14 +92,17 @@ def peak_memory(model, fn, device) -> int:
 
 
 def fwd_bwd_seconds(model, fn, device) -> float:
+    """Seconds of one forward+backward: wall clock on CUDA; on CPU the process's CPU time, which
+    other jobs on a shared machine do not inflate (with 1 thread it is the wall time of a quiet run)."""
     model.zero_grad(set_to_none=True)
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     if device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    t0 = clock()
     fn().sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def measure_point(model, P, G, R, backends, repeats, device, seed=0):
@@ -105,7 +110,8 @@ def measure_point(model, P, G, R, backends, repeats, device, seed=0):
 
     vocab = model.config.vocab_size
     prompt, responses = make_group(vocab, P, G, R, seed)
-    shared, flat = pack([(prompt, responses)], shared=True).to(device), pack([(prompt, responses)], shared=False).to(device)
+    shared = pack([(prompt, responses)], shared=True).to(device)
+    flat = pack([(prompt, responses)], shared=False).to(device)
     variants = {"per-response varlen": lambda: token_logprobs(model, flat, backend="split"),
                 "per-response padded": lambda: padded_logprobs(model, prompt, responses, device)}
     for b in backends:

@@ -1,4 +1,4 @@
-"""Shared-prompt packing and attention back-ends (src/periodic_async/shared_prompt.py).
+"""Shared-prompt packing and attention back-ends (src/periodic_async/shared_prompt.py, attention.py).
 
 The claims, proved against independent computations:
 - packed log-probs and parameter gradients equal those of per-response packing and of a plain
@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+from periodic_async import attention
 from periodic_async import shared_prompt as sp
 from periodic_async.config import ModelConfig
 from periodic_async.model import build_model
@@ -28,7 +29,8 @@ from periodic_async.tokenizer import ensure_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-BACKENDS = ["dense", "split"] + (["flex"] if torch.cuda.is_available() else [])
+BACKENDS = ["dense", "split", "split-loop"] + (["flex"] if torch.cuda.is_available() else [])
+"""split-loop: the split back-end with one SDPA call per response (its path on CUDA) forced on CPU."""
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
 # (P, response lengths): ragged, G = 1, one-token responses, three groups in one micro-batch
 LAYOUT = [(7, [3, 1, 5]), (4, [2]), (9, [1, 1, 6, 2])]
@@ -106,8 +108,11 @@ def logp_and_grads(model, fn, weights_N):
     ("qwen2-eager", torch.float32),  # dense -> additive float mask; eager's softmax is fp32 anyway
     ("qwen3", torch.float64), ("llama", torch.float64)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_shared_prompt_matches_per_response(tokenizer, kind, dtype, backend):
+def test_shared_prompt_matches_per_response(tokenizer, kind, dtype, backend, monkeypatch):
     """Shared packing == per-response packing == independent rows: log-probs and parameter gradients."""
+    if backend == "split-loop":
+        monkeypatch.setattr(attention, "MERGE_SIBLINGS_ON_CPU", False)
+        backend = "split"
     model = make_model(kind, dtype, tokenizer)
     segments = make_segments(model.config.vocab_size)
     shared, per_response = pack(segments, shared=True), pack(segments, shared=False)
@@ -123,13 +128,17 @@ def test_shared_prompt_matches_per_response(tokenizer, kind, dtype, backend):
     assert per_response.num_tokens == sum(len(Rs) * P + sum(R - 1 for R in Rs) for P, Rs in LAYOUT)
 
 
-@pytest.mark.parametrize("backend", ["dense", "split"])
-def test_sibling_responses_get_zero_gradient(tokenizer, backend):
+@pytest.mark.parametrize("backend", ["dense", "split", "split-loop"])
+def test_sibling_responses_get_zero_gradient(tokenizer, backend, monkeypatch):
     """d(loss of response i)/d(input embeddings) is exactly 0 on sibling responses and other groups."""
+    if backend == "split-loop":
+        monkeypatch.setattr(attention, "MERGE_SIBLINGS_ON_CPU", False)
+        backend = "split"
     model = make_model("qwen2", torch.float64, tokenizer)
     batch = pack(make_segments(model.config.vocab_size), shared=True)
     seen = {}
-    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, out: seen.update(emb=out) or out.retain_grad())
+    keep = lambda module, inputs, out: seen.update(emb=out) or out.retain_grad()  # noqa: E731
+    hook = model.get_input_embeddings().register_forward_hook(keep)
     try:
         for s in range(batch.num_samples):
             logp_N = token_logprobs(model, batch, backend=backend)
@@ -162,8 +171,9 @@ def test_positions_restart_and_first_tokens_come_from_last_prompt_position():
     # the dense mask: response 2 (token 5) sees the prompt and itself, not response 0 (tokens 3, 4)
     m = dense_mask(b)[0, 0]
     assert m[5].tolist() == [True, True, True, False, False, True, False, False, False]
-    assert sp.split_plan(b).calls == [(0, 5, 0, 0), (5, 6, 0, 3), (6, 9, 6, 6)]
-    assert sp.split_plan(flat).calls == [(0, 5, 0, 0), (5, 8, 5, 5), (8, 12, 8, 8)]  # varlen rows
+    # split calls (q0, q1, p0, p1): [prompt | r_0] causal, r_2 against prompt 0..3; varlen rows
+    assert attention.split_plan(b.segment_T, b.response_T).calls == [(0, 5, 0, 0), (5, 6, 0, 3), (6, 9, 6, 6)]
+    assert attention.split_plan(flat.segment_T, flat.response_T).calls == [(0, 5, 0, 0), (5, 8, 5, 5), (8, 12, 8, 8)]
 
 
 def test_flex_falls_back_to_split_off_cuda(tokenizer, caplog):
@@ -185,6 +195,28 @@ def test_flex_falls_back_to_split_off_cuda(tokenizer, caplog):
         sp.resolve_backend("flash", "cpu")
 
 
+def test_flex_failure_falls_back_to_split(tokenizer, monkeypatch, caplog):
+    """If FlexAttention fails (e.g. a compiler error on CUDA), token_logprobs warns once and uses split."""
+    import transformers.integrations.flex_attention as hf_flex
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CppCompileError (simulated)")
+
+    monkeypatch.setattr(hf_flex, "flex_attention_forward", broken)
+    monkeypatch.setattr(sp, "resolve_backend", lambda backend, device: "flex")
+    monkeypatch.setattr(sp, "_warned", set())
+    monkeypatch.setattr(sp, "_flex_failed", False)
+    model = make_model("qwen2", torch.float64, tokenizer)
+    batch = pack(make_segments(model.config.vocab_size), shared=True)
+    with caplog.at_level(logging.WARNING, logger=sp.__name__):
+        first, second = (token_logprobs(model, batch, backend="flex") for _ in range(2))
+    assert sp._flex_failed
+    assert sum("FlexAttention failed" in r.getMessage() for r in caplog.records) == 1
+    dense = token_logprobs(model, batch, backend="dense")
+    torch.testing.assert_close(first, dense, rtol=0, atol=1e-9)
+    torch.testing.assert_close(second, dense, rtol=0, atol=1e-9)
+
+
 def test_flex_block_mask_is_the_dense_mask():
     """The BlockMask predicate equals `dense_mask` (checked by eager FlexAttention forward on CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -195,7 +227,8 @@ def test_flex_block_mask_is_the_dense_mask():
     q, k, v = (torch.randn(1, h, T, 16, generator=g) for h in (4, 2, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
-        out = flex_attention(q, k, v, block_mask=sp.flex_block_mask(batch), enable_gqa=True)
+        block_mask = attention.flex_block_mask(batch.segment_T, batch.response_T)
+        out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(batch), enable_gqa=True)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
@@ -215,7 +248,7 @@ def test_split_plan_rejects_layouts_it_cannot_compute():
     b = pack([([1, 2], [[3, 4, 5]])])
     b.response_T = torch.tensor([0, 0, -1, -1])  # a response before its prompt
     with pytest.raises(ValueError, match="no prompt before it"):
-        sp.split_plan(b)
+        attention.split_plan(b.segment_T, b.response_T)
 
 
 @pytest.mark.gpu
@@ -230,3 +263,17 @@ def test_flex_matches_dense_on_cuda(tokenizer):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)
     for a, b in zip(g, ref_g):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_split_with_gradient_checkpointing(tokenizer):
+    """The plan travels through transformers' gradient checkpointing (recomputed forward in backward)."""
+    model = make_model("qwen2", torch.float64, tokenizer)
+    batch = pack(make_segments(model.config.vocab_size), shared=True)
+    w = torch.randn(len(batch.labels_N), generator=torch.Generator().manual_seed(2))
+    ref, ref_g = logp_and_grads(model, lambda: token_logprobs(model, batch, backend="dense"), w)
+    model.activation_checkpointing_enable()
+    model.train()
+    out, g = logp_and_grads(model, lambda: token_logprobs(model, batch, backend="split"), w)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-9)
+    for a, b in zip(g, ref_g):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)

@@ -18,27 +18,26 @@ Attention back-ends (`token_logprobs(..., backend=...)`, `AlgorithmConfig.attent
   dense  one TxT boolean mask through the model's own attention. Works with any HF causal
          LM; the reference. O(T^2) work and memory whatever the layout.
   split  exact work, no TxT mask: per segment one causal attention over the contiguous
-         [prompt | r_1], then, for each further response, its queries against
-         [prompt K/V ; own K/V] (lower-right causal). Registered with transformers'
-         `AttentionInterface` as "shared_prompt", so the model code is untouched. On a
-         per-response packing it is varlen attention (one causal call per row), which makes
-         shared=False a fair baseline. Fastest on CPU (experiments/shared_prompt_ablation.sh).
+         [prompt | r_1], then every further response against [prompt K/V ; own K/V]
+         (attention.py). Registered with transformers' `AttentionInterface` as
+         "shared_prompt", so the model code is untouched. On a per-response packing it is
+         varlen attention (one causal call per row), which makes shared=False a fair
+         baseline. Fastest on CPU (experiments/shared_prompt_ablation.sh).
   flex   FlexAttention with a BlockMask (block-sparse, compiled; CUDA). Elsewhere it falls
-         back to split with a one-time warning (torch 2.13 has no FlexAttention backward on CPU).
+         back to split with a one-time warning (torch 2.13 has no FlexAttention backward on
+         CPU), and on CUDA too, once, if FlexAttention fails to compile or run.
   auto   flex on CUDA, split on any other device.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from periodic_async.attention import ATTN_IMPLEMENTATION, flex_block_mask, split_plan
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +45,6 @@ Segment = tuple[Sequence[int], Sequence[Sequence[int]]]
 """(prompt ids, [response ids, ...]): one group, or part of one, to pack."""
 
 BACKENDS = ("auto", "dense", "split", "flex")
-ATTN_IMPLEMENTATION = "shared_prompt"
-"""Name of our attention function in transformers' AttentionInterface."""
 
 
 @dataclass
@@ -130,136 +127,6 @@ def dense_mask(batch: PackedBatch) -> torch.Tensor:
     return (causal & same_seg & visible)[None, None]
 
 
-# --------------------------------------------------------------------------------------
-# split attention: exact work, registered with transformers' AttentionInterface
-
-
-@dataclass
-class SplitPlan:
-    """The attention calls of one packed row, in token order; shared by every layer of a forward.
-
-    A call (q0, q1, p0, p1) lets queries q0..q1-1 attend to keys [p0..p1-1 ; q0..q1-1]:
-    all of the prompt p0..p1 and, causally, themselves. p0 == p1 is a plain causal call
-    (a segment's prompt with its first response, or a whole per-response row).
-    """
-
-    calls: list[tuple[int, int, int, int]]
-    block_mask: object = None
-    """A FlexAttention BlockMask: when set, the flex back-end runs instead of the calls."""
-    _masks: dict = field(default_factory=dict)
-
-    def response_mask(self, P: int, L: int, device: torch.device) -> torch.Tensor:
-        """Bool LxP+L: every prompt key, then own keys causally (lower-right aligned)."""
-        if (P, L) not in self._masks:
-            m = torch.ones(L, P + L, dtype=torch.bool, device=device)
-            m[:, P:] = torch.ones(L, L, dtype=torch.bool, device=device).tril()
-            self._masks[P, L] = m
-        return self._masks[P, L]
-
-
-def split_plan(batch: PackedBatch) -> SplitPlan:
-    """Derive the attention calls from `segment_T` / `response_T` (any batch `pack` makes).
-
-    Requires what `pack` guarantees: segments contiguous, each starting with one prompt run
-    (response -1), followed by contiguous responses.
-    """
-    seg, resp = batch.segment_T, batch.response_T
-    starts = torch.cat([torch.zeros(1, dtype=torch.long, device=seg.device),
-                        1 + torch.nonzero((seg[1:] != seg[:-1]) | (resp[1:] != resp[:-1]))[:, 0]])
-    counts = torch.diff(starts, append=torch.tensor([seg.shape[0]], device=seg.device))
-    runs = torch.stack([seg[starts], resp[starts]])  # 2 x runs: (segment, response) of each run
-    calls: list[list[int]] = []
-    seen_segments: set[int] = set()
-    pos, prompt, after_prompt, seen_resp = 0, (0, 0), False, set()
-    for (s, r), n in zip(runs.t().tolist(), counts.tolist()):
-        if r < 0:
-            if s in seen_segments:
-                raise ValueError(f"split_plan: segment {s} is not contiguous or has two prompt runs")
-            seen_segments.add(s)
-            prompt, after_prompt, seen_resp = (pos, pos + n), True, set()
-            calls.append([pos, pos + n, pos, pos])
-        else:
-            if not calls or s not in seen_segments or s != current or r in seen_resp:
-                raise ValueError(f"split_plan: response {r} of segment {s} has no prompt before it "
-                                 "or is not contiguous")
-            seen_resp.add(r)
-            if after_prompt:  # [prompt | r_first] is contiguous: one causal call
-                calls[-1][1] += n
-            else:
-                calls.append([pos, pos + n, *prompt])
-            after_prompt = False
-        current = s
-        pos += n
-    return SplitPlan(calls=[tuple(c) for c in calls])
-
-
-def split_attention(query, key, value, plan: SplitPlan, scaling: float | None = None, dropout: float = 0.0):
-    """Attention of a packed row, call by call. query 1xHxTxd, key/value 1xH_kvxTxd -> 1xTxHxd."""
-    if query.shape[0] != 1:
-        raise ValueError(f"split attention expects one packed row, got batch {query.shape[0]}")
-    gqa = {}
-    n_rep = query.shape[1] // key.shape[1]
-    if n_rep > 1:
-        if query.device.type == "cpu":  # CPU SDPA takes GQA with a mask; CUDA kernels would fall to math
-            gqa = dict(enable_gqa=True)
-        else:
-            key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
-    outs = []
-    for q0, q1, p0, p1 in plan.calls:
-        q = query[:, :, q0:q1]
-        if p0 == p1:
-            outs.append(F.scaled_dot_product_attention(q, key[:, :, q0:q1], value[:, :, q0:q1], is_causal=True,
-                                                       dropout_p=dropout, scale=scaling, **gqa))
-        else:
-            k = torch.cat([key[:, :, p0:p1], key[:, :, q0:q1]], dim=2)
-            v = torch.cat([value[:, :, p0:p1], value[:, :, q0:q1]], dim=2)
-            mask = plan.response_mask(p1 - p0, q1 - q0, query.device)
-            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                       **gqa))
-    out = torch.cat(outs, dim=2)
-    if out.shape[2] != query.shape[2]:
-        raise ValueError(f"split attention covered {out.shape[2]} of {query.shape[2]} tokens")
-    return out.transpose(1, 2).contiguous()
-
-
-def shared_prompt_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            shared_prompt_plan: SplitPlan | None = None, **kwargs):
-    """transformers attention function "shared_prompt". Without a plan (generate, plain forwards)
-    it is exactly transformers' SDPA, so switching a model to it changes nothing else."""
-    if shared_prompt_plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    for name in ("sliding_window", "softcap", "s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"shared-prompt attention does not support {name} ({type(module).__name__})")
-    if shared_prompt_plan.block_mask is not None:
-        from transformers.integrations.flex_attention import flex_attention_forward
-
-        return flex_attention_forward(module, query, key, value, shared_prompt_plan.block_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
-    return split_attention(query, key, value, shared_prompt_plan, scaling, dropout), None
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, shared_prompt_attention)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)  # plain calls get SDPA's masks
-
-
-def flex_block_mask(batch: PackedBatch):
-    """FlexAttention BlockMask of the packed layout (same predicate as `dense_mask`)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    seg, resp = batch.segment_T, batch.response_T
-
-    def mask_mod(b, h, q, kv):
-        return (kv <= q) & (seg[q] == seg[kv]) & ((resp[kv] < 0) | (resp[kv] == resp[q]))
-
-    T = seg.shape[0]
-    return create_block_mask(mask_mod, None, None, T, T, device=seg.device, _compile=seg.device.type == "cuda")
-
-
-# --------------------------------------------------------------------------------------
-# back-end selection and log-probs
-
 _warned: set[str] = set()
 
 
@@ -303,10 +170,13 @@ def use_shared_prompt_attention(model) -> bool:
 
 def attention_kwargs(model, batch: PackedBatch, backend: str = "auto") -> dict:
     """Keyword arguments of `model.base_model(...)` that apply back-end `backend` to `batch`."""
+    return _attention_kwargs(model, batch, resolve_backend(backend, batch.input_ids_1xT.device))
+
+
+def _attention_kwargs(model, batch: PackedBatch, name: str) -> dict:
     layer_types = getattr(model.config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise NotImplementedError(f"shared-prompt packing needs full attention in every layer, got {set(layer_types)}")
-    name = resolve_backend(backend, batch.input_ids_1xT.device)
     if name != "dense" and not use_shared_prompt_attention(model):
         _warn_once("dense", f"{type(model).__name__} does not use transformers' AttentionInterface: "
                             f"attention_backend={name!r} falls back to 'dense'")
@@ -317,13 +187,17 @@ def attention_kwargs(model, batch: PackedBatch, backend: str = "auto") -> dict:
             dtype = model.get_input_embeddings().weight.dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
         return {"attention_mask": mask}
-    plan = split_plan(batch)
+    plan = split_plan(batch.segment_T, batch.response_T)
     if name == "flex":
-        plan.block_mask = flex_block_mask(batch)
+        plan.block_mask = flex_block_mask(batch.segment_T, batch.response_T)
     # A 4D mask makes transformers skip building its own (TxT) mask. NaN: any attention
     # function that ignored the plan and used it would poison the output, not hide the bug.
     placeholder = torch.full((1, 1, 1, 1), float("nan"), device=batch.input_ids_1xT.device)
     return {"attention_mask": placeholder, "shared_prompt_plan": plan}
+
+
+_flex_failed = False
+"""Set when FlexAttention raised once in this process: later calls go straight to split."""
 
 
 def token_logprobs(model, batch: PackedBatch, with_entropy: bool = False, backend: str = "auto"):
@@ -332,10 +206,23 @@ def token_logprobs(model, batch: PackedBatch, with_entropy: bool = False, backen
     `backend`: 'auto' | 'dense' | 'split' | 'flex' (see the module docstring). 'split' and
     'flex' switch the model to the "shared_prompt" attention function on first use.
     """
-    hidden_1xTxD = model.base_model(
-        input_ids=batch.input_ids_1xT, position_ids=batch.position_ids_1xT, use_cache=False,
-        **attention_kwargs(model, batch, backend),
-    ).last_hidden_state
+    global _flex_failed
+
+    def hidden(name):
+        return model.base_model(input_ids=batch.input_ids_1xT, position_ids=batch.position_ids_1xT, use_cache=False,
+                                **_attention_kwargs(model, batch, name)).last_hidden_state
+
+    name = resolve_backend(backend, batch.input_ids_1xT.device)
+    if name == "flex" and _flex_failed:
+        name = "split"
+    try:
+        hidden_1xTxD = hidden(name)
+    except Exception as err:  # FlexAttention compiles: a compiler failure must not stop training
+        if name != "flex":
+            raise
+        _flex_failed = True
+        _warn_once("flex-failed", f"FlexAttention failed ({type(err).__name__}: {str(err)[:200]}): using 'split'")
+        hidden_1xTxD = hidden("split")
     h_NxD = hidden_1xTxD[0, batch.pred_pos_N]
     logits_NxV = model.get_output_embeddings()(h_NxD)
     if logits_NxV.dtype in (torch.bfloat16, torch.float16):
