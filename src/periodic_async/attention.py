@@ -93,15 +93,15 @@ MERGE_SIBLINGS_ON_CPU = hasattr(torch.ops.aten, "_scaled_dot_product_flash_atten
 
 
 def _merge_siblings(calls):
-    """Consecutive calls with the same prompt -> one (q0, q1, p0, p1, lengths) call."""
+    """Adjacent response calls on the same prompt -> one call (q0, q1, p0, p1, [L_i, ...])."""
     out = []
     for q0, q1, p0, p1 in calls:
-        if p0 != p1 and out and len(out[-1]) == 5 and out[-1][2:4] == (p0, p1) and out[-1][1] == q0:
-            out[-1] = (out[-1][0], q1, p0, p1, out[-1][4] + [q1 - q0])
-        elif p0 != p1:
-            out.append((q0, q1, p0, p1, [q1 - q0]))
-        else:
+        if p0 == p1:  # causal call: unchanged
             out.append((q0, q1, p0, p1))
+        elif out and len(out[-1]) == 5 and out[-1][2:4] == (p0, p1) and out[-1][1] == q0:
+            out[-1] = (out[-1][0], q1, p0, p1, out[-1][4] + [q1 - q0])
+        else:
+            out.append((q0, q1, p0, p1, [q1 - q0]))
     return out
 
 
@@ -123,7 +123,7 @@ class _PromptPlusOwn(torch.autograd.Function):
             starts.append(starts[-1] + n)
             parts.append(_flash(q[:, :, starts[-2]:starts[-1]], k[:, :, starts[-2]:starts[-1]],
                                 v[:, :, starts[-2]:starts[-1]], is_causal=True, scale=scale))
-        o2, lse2 = torch.cat([o for o, _ in parts], 2), torch.cat([l for _, l in parts], 2)
+        o2, lse2 = torch.cat([o for o, _ in parts], 2), torch.cat([lse_i for _, lse_i in parts], 2)
         lse = torch.logaddexp(lse1, lse2)
         out = o1 * (lse1 - lse).exp()[..., None] + o2 * (lse2 - lse).exp()[..., None]
         ctx.save_for_backward(q, k_p, v_p, k, v, out, lse)
@@ -139,7 +139,9 @@ class _PromptPlusOwn(torch.autograd.Function):
         for a, b in zip(ctx.starts[:-1], ctx.starts[1:]):
             g = _flash_backward(grad_out[:, :, a:b], q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], out[:, :, a:b],
                                 lse[:, :, a:b], 0.0, True, scale=ctx.scale)
-            dq2.append(g[0]); dk.append(g[1]); dv.append(g[2])
+            dq2.append(g[0])
+            dk.append(g[1])
+            dv.append(g[2])
         return dq + torch.cat(dq2, 2), dk_p, dv_p, torch.cat(dk, 2), torch.cat(dv, 2), None, None
 
 
