@@ -7,12 +7,12 @@ The claims, proved against independent computations:
 - a response gets exactly zero gradient from its siblings and from other groups;
 - position ids restart at P; the first token of every response is predicted from position P-1;
 - the flex back-end falls back to split off CUDA, and its BlockMask is the dense mask.
+The `tokenizer` fixture and the single torch thread come from conftest.py.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import types
 import warnings
 
@@ -25,29 +25,12 @@ from periodic_async import shared_prompt as sp
 from periodic_async.config import ModelConfig
 from periodic_async.model import build_model
 from periodic_async.shared_prompt import dense_mask, pack, token_logprobs
-from periodic_async.tokenizer import ensure_tokenizer
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 BACKENDS = ["dense", "split", "split-loop"] + (["flex"] if torch.cuda.is_available() else [])
 """split-loop: the split back-end with one SDPA call per response (its path on CUDA) forced on CPU."""
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
 # (P, response lengths): ragged, G = 1, one-token responses, three groups in one micro-batch
 LAYOUT = [(7, [3, 1, 5]), (4, [2]), (9, [1, 1, 6, 2])]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread is as fast, and immune to OpenMP stalls when the 2 cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory):
-    return ensure_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def exact_rms_norm(self, x):
