@@ -42,7 +42,7 @@ def main(argv=None) -> list[dict]:
               "using the random qwen2-1m preset")
         extra.append("model.name_or_path=qwen2-1m")
     if args.quick:
-        extra += ["trainer.iterations=3", "algorithm.prompts_per_iteration=8", "engine.max_tokens=24"]
+        extra += ["trainer.iterations=3", "algorithm.prompts_per_iteration=24"]
     summaries = {}
     for mode in MODES:
         mode_extra = [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{mode}"]

@@ -10,6 +10,7 @@ that gives the long prompts of the paper's shared-prompt setting.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -200,7 +201,13 @@ def iteration_prompts(examples: list[Example], iteration: int, batch: int, seed:
     out = []
     for k in range(iteration * batch, (iteration + 1) * batch):
         epoch, pos = divmod(k, n)
-        order = list(range(n))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        out.append((order[pos], examples[order[pos]]))
+        index = _epoch_order(n, seed, epoch)[pos]
+        out.append((index, examples[index]))
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return tuple(order)

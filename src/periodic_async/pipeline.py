@@ -158,7 +158,7 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                            name=f"{cfg.pipeline.mode}-{out.name}")
     history: list[dict] = []
-    iteration = start_iteration
+    completed = start_iteration
     try:
         t = time.time()
         engine.update_weights(policy.state_dict(), start_iteration)  # the engines start from our weights
@@ -168,10 +168,12 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.trainer.iterations, initial=start_iteration, desc=cfg.pipeline.mode, unit="it")
+        completed = start_iteration  # iterations whose optimizer step is done
+        t_start = time.time()
+        if start_iteration < cfg.trainer.iterations:
+            producer.start(start_iteration)
         for iteration in range(start_iteration, cfg.trainer.iterations):
             version = iteration
-            t_start = time.time()
-            producer.start(iteration)
             if cfg.pipeline.mode == "periodic-async":
                 received: list[Group] = []
 
@@ -188,27 +190,30 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
             t_sync = time.time()
             engine.update_weights(policy.state_dict(), version + 1)  # the barrier
             t_end = time.time()
+            completed = iteration + 1
             tracer.add("weight_sync", "trainer", t_sync, t_end, version=version + 1)
+            m = _iteration_metrics(groups, t_start, t_gen_end, t_end, train, t_end - t_sync, cfg)
+            if cfg.trainer.eval_every and completed % cfg.trainer.eval_every == 0:
+                m["eval/accuracy"] = evaluate(policy, tokenizer, evals, shots, cfg.engine.max_tokens)["accuracy"]
+            if completed < cfg.trainer.iterations:  # the next iteration generates while we keep the books
+                t_start = time.time()
+                producer.start(completed)
             if cfg.logging.rollouts:
                 _write_rollouts(out / "rollouts.jsonl", groups)
-            m = _iteration_metrics(groups, t_start, t_gen_end, t_end, train, t_end - t_sync, cfg)
-            if cfg.trainer.eval_every and (iteration + 1) % cfg.trainer.eval_every == 0:
-                m["eval/accuracy"] = evaluate(policy, tokenizer, evals, shots, cfg.engine.max_tokens)["accuracy"]
-            logger.log(m, step=iteration + 1)
+            logger.log(m, step=completed)
             history.append({"iteration": iteration, **m})
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", tok_s=f"{m['throughput/tokens_per_s']:.0f}")
-            if cfg.trainer.save_every and (iteration + 1) % cfg.trainer.save_every == 0:
-                save_checkpoint(out, policy, tokenizer, consumer, iteration + 1)
-        iteration = cfg.trainer.iterations
+            if cfg.trainer.save_every and completed % cfg.trainer.save_every == 0:
+                save_checkpoint(out, policy, tokenizer, consumer, completed)
         if bar is not None:
             bar.close()
     except BaseException:
         # Keep what was trained: with one optimizer step per iteration the weights are those
         # at the end of the last completed iteration (a failed iteration never stepped).
-        if cfg.algorithm.optimizer_steps_per_iteration == 1 and iteration > start_iteration:
-            save_checkpoint(out, policy, tokenizer, consumer, iteration)
+        if cfg.algorithm.optimizer_steps_per_iteration == 1 and completed > start_iteration:
+            save_checkpoint(out, policy, tokenizer, consumer, completed)
         raise
     finally:
         producer.close()
