@@ -5,7 +5,7 @@
 # Writes $RESULTS_DIR/engine.csv and $RESULTS_DIR/weight_sync.csv (RESULTS_DIR defaults to results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -f scripts/setup_env.sh ]; then source scripts/setup_env.sh; else source .venv/bin/activate; fi
+source scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 RESULTS_DIR="${RESULTS_DIR:-results}"
 args=(--results-dir "$RESULTS_DIR")

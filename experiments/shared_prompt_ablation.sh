@@ -7,7 +7,7 @@
 # extra arguments go to experiments/shared_prompt_ablation.py (e.g. --threads 2 --repeats 7).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [[ -f .venv/bin/activate ]]; then source .venv/bin/activate; fi
+source scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 RESULTS_DIR="${RESULTS_DIR:-results}"
 ARGS=(--results-dir "$RESULTS_DIR")

@@ -5,7 +5,7 @@
 #   QUICK=1 bash experiments/trimodel_cost.sh  # qwen2-1m, a few seconds
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [[ -f .venv/bin/activate ]]; then source .venv/bin/activate; fi
+source scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 RESULTS_DIR="${RESULTS_DIR:-results}"
 ARGS=()

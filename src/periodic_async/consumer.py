@@ -41,21 +41,12 @@ class Consumer:
         if a.prompts_per_iteration % a.optimizer_steps_per_iteration:
             raise ValueError(f"algorithm.optimizer_steps_per_iteration={a.optimizer_steps_per_iteration} must divide "
                              f"algorithm.prompts_per_iteration={a.prompts_per_iteration}")
-        self.tri = TriModel(policy, a, logprob_kwargs=self._logprob_kwargs())
+        self.tri = TriModel(policy, a, logprob_kwargs={"backend": a.attention_backend})
         self.optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=a.lr,
                                            weight_decay=a.weight_decay, betas=(0.9, 0.999))
         self.tracer = tracer or Tracer(enabled=False)
         self.device = next(policy.parameters()).device
         self.dtype = next(policy.parameters()).dtype
-
-    def _logprob_kwargs(self) -> dict:
-        import inspect
-
-        from periodic_async.shared_prompt import token_logprobs
-
-        if "backend" in inspect.signature(token_logprobs).parameters:
-            return {"backend": self.cfg.algorithm.attention_backend}
-        return {}
 
     def train_iteration(self, groups: Iterable[Group], iteration: int, version: int) -> dict[str, float]:
         """Train on the B groups of `iteration` (all of `version`); returns the iteration's metrics."""
