@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from periodic_async.config import RunConfig, SFTRunConfig, load_config
+from periodic_async.config import RunConfig, load_config
 from periodic_async.data import few_shot_examples, load_examples
 from periodic_async.evaluate import evaluate
 from periodic_async.model import load_policy

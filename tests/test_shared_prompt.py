@@ -13,7 +13,6 @@ The `tokenizer` fixture and the single torch thread come from conftest.py.
 from __future__ import annotations
 
 import logging
-import types
 import warnings
 
 import pytest
@@ -23,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from periodic_async import attention
 from periodic_async import shared_prompt as sp
 from periodic_async.config import ModelConfig
-from periodic_async.model import build_model
+from periodic_async.model import build_model, norms_in_input_dtype
 from periodic_async.shared_prompt import dense_mask, pack, token_logprobs
 
 BACKENDS = ["dense", "split", "split-loop"] + (["flex"] if torch.cuda.is_available() else [])
@@ -31,11 +30,6 @@ BACKENDS = ["dense", "split", "split-loop"] + (["flex"] if torch.cuda.is_availab
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5}
 # (P, response lengths): ragged, G = 1, one-token responses, three groups in one micro-batch
 LAYOUT = [(7, [3, 1, 5]), (4, [2]), (9, [1, 1, 6, 2])]
-
-
-def exact_rms_norm(self, x):
-    """HF's RMSNorm in the input dtype (HF computes it in fp32)."""
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
 def make_model(kind: str, dtype: torch.dtype, tokenizer):
@@ -53,12 +47,9 @@ def make_model(kind: str, dtype: torch.dtype, tokenizer):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
     if dtype == torch.float64:
-        # HF RMSNorms upcast to fp32, so the gradient of an fp64 model is only fp32-exact there:
-        # summing the G prompt gradients before or after that rounding differs by ~1e-7.
-        # Same formula in fp64, for both layouts alike, makes the 1e-9 comparison meaningful.
-        for m in model.modules():
-            if type(m).__name__.endswith("RMSNorm"):
-                m.forward = types.MethodType(exact_rms_norm, m)
+        # HF RMSNorms upcast to fp32, so the gradient of an fp64 model is only fp32-exact there
+        # (summing the G prompt gradients before or after that rounding differs by ~1e-7).
+        norms_in_input_dtype(model)  # what build_model does for float64 presets
     return model
 
 

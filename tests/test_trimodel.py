@@ -11,22 +11,9 @@ from periodic_async.batching import split_groups
 from periodic_async.config import AlgorithmConfig, ModelConfig
 from periodic_async.group import Group
 from periodic_async.model import build_model, num_parameters
-from periodic_async.tokenizer import ensure_tokenizer
 from periodic_async.trimodel import TriModel
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The machine is shared: one torch thread avoids oversubscription (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return ensure_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
 
 
 @pytest.fixture(scope="module")

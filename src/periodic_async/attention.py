@@ -65,7 +65,7 @@ def split_plan(segment_T: torch.Tensor, response_T: torch.Tensor) -> SplitPlan:
     runs = torch.stack([seg[starts], resp[starts]])  # 2 x runs: (segment, response) of each run
     calls: list[list[int]] = []
     seen_segments: set[int] = set()
-    pos, prompt, after_prompt, seen_resp = 0, (0, 0), False, set()
+    pos, prompt, after_prompt, seen_resp, current = 0, (0, 0), False, set(), -1
     for (s, r), n in zip(runs.t().tolist(), counts.tolist()):
         if r < 0:
             if s in seen_segments:

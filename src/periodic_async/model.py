@@ -74,7 +74,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PreTrai
         raise ValueError(f"model {cfg.name_or_path!r} has vocab_size {model.config.vocab_size} < "
                          f"tokenizer size {len(tokenizer)} ({cfg.tokenizer!r})")
     if dtype == torch.float64:
-        _norms_in_input_dtype(model)
+        norms_in_input_dtype(model)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model.to(device)
@@ -85,7 +85,7 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def _norms_in_input_dtype(model: torch.nn.Module) -> None:
+def norms_in_input_dtype(model: torch.nn.Module) -> torch.nn.Module:
     """HF RMSNorms upcast to float32 and round back, which caps fp64 exactness at ~1e-8; in
     float64 models compute them in float64 (exactness tests, sync/async equivalence)."""
     import types
@@ -93,6 +93,7 @@ def _norms_in_input_dtype(model: torch.nn.Module) -> None:
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
             module.forward = types.MethodType(_rms_norm_forward, module)
+    return model
 
 
 def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -13,6 +13,25 @@ from typing import Sequence
 
 from periodic_async.trace import read_trace
 
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out_path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
 _TRAINER_COLORS = {"micro_step": "#4C72B0", "optimizer_step": "#C44E52", "weight_sync": "#8172B2"}
 
 
@@ -22,10 +41,7 @@ def plot_timeline(runs: Sequence[tuple[str, str | Path]], out_path: str | Path, 
 
     iterations: draw only the first N iterations after the first weight sync (None: all).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     panels = []
     for label, path in runs:
@@ -60,21 +76,14 @@ def plot_timeline(runs: Sequence[tuple[str, str | Path]], out_path: str | Path, 
     axes[-1, 0].set_xlabel("seconds (bars on engine slots: one sample, labelled with its prompt index; trainer: "
                            "micro-steps blue, optimizer step red, weight sync purple)", fontsize=8)
     fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+    return _save(fig, out_path)
 
 
 def plot_async_speedup(csv_path: str | Path, out_path: str | Path):
     """Bar chart of results/async_speedup.csv: speedup over sync-separated per mode, and the bound."""
     import csv
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = list(csv.DictReader(Path(csv_path).open()))
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
@@ -87,21 +96,14 @@ def plot_async_speedup(csv_path: str | Path, out_path: str | Path):
     ax.set_ylabel("tokens/s vs sync-separated")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+    return _save(fig, out_path)
 
 
 def plot_reward_curves(csv_path: str | Path, out_path: str | Path):
     """Training reward per iteration of each mode (results/reward_curves.csv), one line per mode."""
     import csv
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     rows = list(csv.DictReader(Path(csv_path).open()))
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
@@ -117,8 +119,4 @@ def plot_reward_curves(csv_path: str | Path, out_path: str | Path):
     for ax in axes:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
-    plt.close(fig)
-    return out
+    return _save(fig, out_path)
