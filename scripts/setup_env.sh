@@ -11,8 +11,10 @@ fi
 source .venv/bin/activate
 stamp=.venv/.periodic_async_installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[dev]"
+  echo "installing into .venv (log: .venv/install.log) ..."
+  {
+    python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+    python -m pip install -q -e ".[dev]"
+  } > .venv/install.log 2>&1 || { tail -n 40 .venv/install.log; echo "install failed: see .venv/install.log"; return 1; }
   touch "$stamp"
 fi
