@@ -72,3 +72,12 @@ def test_reward_returning_wrong_length_is_caught():
     bad = combined_reward([lambda p, c, **k: [1.0]], [1.0])
     with pytest.raises(ValueError, match="returned 1 values for 2"):
         bad(None, ["a", "b"])
+
+
+def test_math_reward_uses_symbolic_equivalence_when_available():
+    pytest.importorskip("math_verify")
+    comps = ["so \\boxed{\\frac{2}{4}}", "\\boxed{\\sqrt{4}}", "\\boxed{3}"]
+    assert correctness_reward(None, comps, answer=["0.5", "2", "2"]) == [0.0, 0.0, 0.0]
+    from periodic_async.reward import math_reward
+
+    assert math_reward(None, comps, answer=["0.5", "2", "2"]) == [1.0, 1.0, 0.0]

@@ -108,6 +108,12 @@ def correctness_reward(prompts: Sequence, completions: Sequence[str], answer: Se
     return out
 
 
+def math_reward(prompts: Sequence, completions: Sequence[str], answer: Sequence[str], **kwargs) -> list[float]:
+    """`correctness_reward` that also asks math-verify (symbolic equivalence: fractions, LaTeX)
+    when it is installed (`pip install math-verify`, in the dev extra)."""
+    return correctness_reward(prompts, completions, answer, use_math_verify=True)
+
+
 def format_reward(prompts: Sequence, completions: Sequence[str], **kwargs) -> list[float]:
     """1.0 when the completion ends its reasoning with '#### <number>', else 0.0."""
     return [1.0 if re.search(r"####\s*[-+]?\$?\d", c) else 0.0 for c in completions]
