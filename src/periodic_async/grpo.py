@@ -225,7 +225,8 @@ class LossAccumulator:
         """Normalised metrics of the iteration (python floats)."""
         n = max(self.num_tokens, 1)
         out = {"loss": float(self.sums.get("loss", 0.0)) / self.normaliser if self.num_tokens else 0.0}
-        for k, name in (("kl", "kl"), ("clip", "clip_frac"), ("entropy", "entropy")):
+        for k, name in (("kl", "kl"), ("clip", "clip_frac"), ("entropy", "entropy"),
+                        ("behaviour_gap", "behaviour_logp_gap")):
             out[name] = float(self.sums.get(k, 0.0)) / n
         out.update(tokens=float(self.num_tokens), sequences=float(self.num_sequences),
                    micro_batches=float(self.num_micro_batches))

@@ -111,6 +111,9 @@ class TriModel:
         loss_sum, sums = grpo.micro_batch_loss(out.policy_N, out.old_N, out.ref_N, inputs.advantages_N, w_N,
                                                self.cfg, out.entropy_N)
         loss_sum.backward()
+        # Trainer vs engine log-probs of the sampled tokens (same weights): a layout or
+        # alignment bug shows here first; ~1e-6 is fp noise between the two code paths.
+        sums["behaviour_gap"] = (out.policy_N.detach() - inputs.behaviour_logp_N.to(out.policy_N.dtype)).abs().sum()
         acc.add(sums, num_tokens=inputs.num_tokens, num_sequences=inputs.num_samples)
         return sums
 
