@@ -181,5 +181,8 @@ def test_trace_records_every_phase_and_draws_the_timeline(engine, tokenizer_dir,
     assert {e["track"].split("/")[0] for e in gen} == {"worker0", "worker1"}
     metrics = [json.loads(x) for x in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["time/generate_s"] <= m["time/iteration_s"] for m in metrics)
+    # the trainer scores exactly the tokens the engine sampled, under the same weights (the
+    # engine samples from float32 logits, hence fp32-level agreement of an fp64 model)
+    assert all(m["train/behaviour_logp_gap"] < 1e-5 for m in metrics)
     png = plot_timeline([("async", Path(cfg.trainer.output_dir) / "trace.jsonl")], tmp_path / "t.png")
     assert png.stat().st_size > 10_000
