@@ -14,7 +14,7 @@ step "tokenizer"
 python -m periodic_async.tokenizer artifacts/tokenizer
 step "warm start (supervised) and held-out accuracy"
 bash experiments/warm_start.sh
-for exp in engine_throughput shared_prompt_ablation trimodel_cost async_speedup reward_curves; do
+for exp in engine_throughput shared_prompt_ablation trimodel_cost async_speedup shared_async reward_curves; do
   if [ -f "experiments/$exp.sh" ]; then
     step "experiment: $exp"
     bash "experiments/$exp.sh"

@@ -13,6 +13,9 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption)
     "async_speedup": ("async_speedup.csv", "experiments/async_speedup.sh",
                       "Asynchrony alone; goals: periodic-async >= 1.8x and >= 0.9 x bound over sync-separated, "
                       ">= 1.4x over sync-colocated (paper: 1.92x, bound 2x)."),
+    "shared_async": ("shared_async.csv", "experiments/shared_async.sh",
+                     "Shared-prompt attention x asynchrony on 4-shot prompts; speedups against per-response "
+                     "sync-separated; `product` = shared-only x async-only (paper: ~8x and ~2x, multiplicative)."),
     "reward_curves": ("reward_curves_summary.csv", "experiments/reward_curves.sh",
                       "Held-out accuracy after RL from the warm start, sync vs async from one seed "
                       "(curves: figures/reward_curves.png)."),
