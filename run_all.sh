@@ -3,11 +3,13 @@
 # then the README tables from the results they wrote.
 #   bash run_all.sh            full run (about an hour on 2 cores)
 #   QUICK=1 bash run_all.sh    smoke run of the same path (a few minutes)
-# RESULTS_DIR (default results) redirects every CSV.
+# RESULTS_DIR (default results) redirects every CSV (and the figures, to $RESULTS_DIR/figures).
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
 export RESULTS_DIR="${RESULTS_DIR:-results}"
+# Figures go beside redirected results, so a smoke run never overwrites the committed ones.
+if [ "$RESULTS_DIR" = results ]; then export FIGURES_DIR=figures; else export FIGURES_DIR="$RESULTS_DIR/figures"; fi
 step() { echo; echo "=== $* ($(date +%H:%M:%S))"; }
 
 step "tokenizer"
@@ -24,4 +26,4 @@ if [ "$RESULTS_DIR" = results ]; then
   step "README tables from results/"
   python scripts/update_readme.py
 fi
-echo "done: results in $RESULTS_DIR/, figures in figures/"
+echo "done: results in $RESULTS_DIR/, figures in $FIGURES_DIR/"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--results", default="results")
     ap.add_argument("--runs", default="runs/async_speedup")
-    ap.add_argument("--figure", default="figures/timeline.png")
+    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     base = load_config(RunConfig, HERE / "async_speedup.yaml", args.overrides)
@@ -88,12 +89,12 @@ def main(argv=None) -> list[dict]:
         trace.parent.mkdir(exist_ok=True)
         shutil.copy(Path(args.runs) / m / "trace.jsonl", trace)
         timeline.append((f"{m}: {summaries[m]['tokens_per_s']:.0f} tokens/s", trace))
-    plot_timeline(timeline, args.figure)
-    plot_async_speedup(out / "async_speedup.csv", "figures/async_speedup.png")
+    plot_timeline(timeline, Path(args.figures) / "timeline.png")
+    plot_async_speedup(out / "async_speedup.csv", Path(args.figures) / "async_speedup.png")
     for r in rows:
         print(r)
     print(f"[async_speedup] T_gen={t_gen:.2f}s T_train={t_train:.2f}s bound={bound:.2f}; wrote {out}/async_speedup.csv, "
-          f"{args.figure}")
+          f"{args.figures}/timeline.png")
     return rows
 
 

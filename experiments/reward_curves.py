@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +34,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--results", default="results")
     ap.add_argument("--runs", default="runs/reward_curves")
+    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     extra = list(args.overrides)
@@ -75,7 +77,7 @@ def main(argv=None) -> None:
             w = csv.DictWriter(f, fieldnames=list(table[0]))
             w.writeheader()
             w.writerows(table)
-    plot_reward_curves(res / "reward_curves.csv", "figures/reward_curves.png")
+    plot_reward_curves(res / "reward_curves.csv", Path(args.figures) / "reward_curves.png")
     for s in summary:
         print(s)
 

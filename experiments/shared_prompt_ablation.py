@@ -26,6 +26,7 @@ and figures/shared_prompt.png (`plot`, also called by notebooks/shared_prompt.ip
 from __future__ import annotations
 
 import argparse
+import os
 import csv
 import statistics
 import time
@@ -184,7 +185,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny grid (< 1 min)")
     ap.add_argument("--results-dir", default="results")
-    ap.add_argument("--figures-dir", default="figures")
+    ap.add_argument("--figures-dir", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("--preset", default="qwen2-1m")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=1,
