@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU-scale reproduction, end to end: warm start, then one experiment per paper claim,
 # then the README tables from the results they wrote.
-#   bash run_all.sh            full run (about an hour on 2 cores)
+#   bash run_all.sh            full run (about 15 minutes on a quiet 2-core machine)
 #   QUICK=1 bash run_all.sh    smoke run of the same path (a few minutes)
 # RESULTS_DIR (default results) redirects every CSV (and the figures, to $RESULTS_DIR/figures).
 set -euo pipefail
