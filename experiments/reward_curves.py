@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from periodic_async.evaluate import evaluate
 from periodic_async.model import load_policy
 from periodic_async.pipeline import run
 from periodic_async.plots import plot_reward_curves
+from periodic_async.trace import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async"]
@@ -53,11 +53,10 @@ def main(argv=None) -> None:
                           extra + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{mode}"])
         s = run(cfg)
         out = Path(cfg.trainer.output_dir)
-        for line in (out / "metrics.jsonl").read_text().splitlines():
-            m = json.loads(line)
+        for m in read_jsonl(out / "metrics.jsonl"):
             rows.append({"mode": mode, "iteration": m["step"], "reward_mean": round(m["reward/mean"], 4),
                          "accuracy": round(m["accuracy"], 4), "eval_accuracy": m.get("eval/accuracy", "")})
-        rollouts[mode] = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+        rollouts[mode] = read_jsonl(out / "rollouts.jsonl")
         summary.append({"mode": mode, "eval_accuracy_start": start, "eval_accuracy_end": s.get("eval_accuracy")})
     # How long did the two runs sample identical tokens?
     by_it = [{(r["iteration"], r["prompt_index"]): r["response_ids"] for r in rollouts[m]} for m in MODES]

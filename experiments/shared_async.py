@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 
 from periodic_async.config import RunConfig, load_config
 from periodic_async.pipeline import run
+from periodic_async.trace import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,8 +46,8 @@ def main(argv=None) -> None:
                               extra + [f"algorithm.shared_prompt={shared}", f"pipeline.mode={mode}",
                                        f"trainer.output_dir={args.runs}/{name}"])
             s = run(cfg)
-            lines = (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()
-            m = [json.loads(x) for x in lines][1:] or [json.loads(x) for x in lines]
+            history = read_jsonl(Path(cfg.trainer.output_dir) / "metrics.jsonl")
+            m = history[1:] or history  # the first iteration pays start-up costs
             mean_p = sum((x["tokens/trained"] - x["tokens/response"]) for x in m) / sum(
                 x["train/sequences"] for x in m)
             tps[(shared, mode)] = s["tokens_per_s"]

@@ -2,7 +2,6 @@
 an extra optimizer step per iteration breaks that, stale groups are refused, the producer
 delivers every group once with its version, and a run resumes where it stopped."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from periodic_async.engine import make_engine
 from periodic_async.group import Group
 from periodic_async.model import load_policy
 from periodic_async.pipeline import run
+from periodic_async.trace import read_jsonl
 
 HERE = Path(__file__).resolve()
 
@@ -39,8 +39,7 @@ def _cfg(tmp: Path, tokenizer_dir, mode: str, **extra) -> RunConfig:
 
 
 def _rollouts(cfg: RunConfig) -> list[dict]:
-    lines = (Path(cfg.trainer.output_dir) / "rollouts.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines]
+    return read_jsonl(Path(cfg.trainer.output_dir) / "rollouts.jsonl")
 
 
 def _final_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
@@ -172,17 +171,16 @@ def test_colocated_mode_samples_the_same_tokens(engine, tokenizer_dir, tmp_path)
 
 def test_trace_records_every_phase_and_draws_the_timeline(engine, tokenizer_dir, tmp_path):
     from periodic_async.plots import plot_timeline
-    from periodic_async.trace import read_trace
 
     cfg = _cfg(tmp_path, tokenizer_dir, "periodic-async", **{"trainer.iterations": 2})
     run(cfg, engine=engine)
-    events = read_trace(Path(cfg.trainer.output_dir) / "trace.jsonl")
+    events = read_jsonl(Path(cfg.trainer.output_dir) / "trace.jsonl")
     names = {e["name"] for e in events}
     assert {"generate", "reward", "micro_step", "optimizer_step", "weight_sync"} <= names
     gen = [e for e in events if e["name"] == "generate"]
     assert len(gen) == 2 * 6 * 3  # one bar per sample
     assert {e["track"].split("/")[0] for e in gen} == {"worker0", "worker1"}
-    metrics = [json.loads(x) for x in (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_jsonl(Path(cfg.trainer.output_dir) / "metrics.jsonl")
     assert len(metrics) == 2 and all(m["time/generate_s"] <= m["time/iteration_s"] for m in metrics)
     # the trainer scores exactly the tokens the engine sampled, under the same weights (the
     # engine samples from float32 logits, hence fp32-level agreement of an fp64 model)

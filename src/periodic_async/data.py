@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from periodic_async.config import DataConfig
+from periodic_async.reward import last_boxed
 
 INSTRUCTION = "Solve step by step and give the final answer after ####."
 
@@ -104,12 +105,6 @@ def _gsm8k_final(answer: str) -> str:
     return answer.split("####")[-1].strip().replace(",", "")
 
 
-def _boxed(text: str) -> str | None:
-    from periodic_async.reward import last_boxed
-
-    return last_boxed(text)
-
-
 def _record_to_example(rec: dict, fmt: str, where: str, i: int) -> Example:
     keys = set(rec)
     if fmt == "auto":
@@ -131,7 +126,7 @@ def _record_to_example(rec: dict, fmt: str, where: str, i: int) -> Example:
             ans = rec.get("answer", rec.get("Answer"))
             sol = rec.get("solution", rec.get("Solution"))
             if ans is None and sol is not None:
-                ans = _boxed(str(sol))
+                ans = last_boxed(str(sol))
             if q is None or ans is None:
                 raise KeyError("problem/answer")
             return Example(str(q), str(ans).strip(), None if sol is None else str(sol), str(rec.get("id", i)))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from periodic_async.trace import read_trace
+from periodic_async.trace import read_jsonl
 
 def _pyplot():
     import matplotlib
@@ -45,7 +45,7 @@ def plot_timeline(runs: Sequence[tuple[str, str | Path]], out_path: str | Path, 
 
     panels = []
     for label, path in runs:
-        events = read_trace(path)
+        events = read_jsonl(path)
         syncs = sorted(e["start"] for e in events if e["name"] == "weight_sync")
         t0 = syncs[0] + next(e["dur"] for e in events if e["name"] == "weight_sync") if syncs else \
             min(e["start"] for e in events)

@@ -59,7 +59,8 @@ class Tracer:
         return jsonl, chrome_path
 
 
-def read_trace(path: str | Path) -> list[dict[str, Any]]:
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (trace.jsonl, metrics.jsonl, rollouts.jsonl)."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
@@ -95,6 +96,3 @@ class MetricsLogger:
             self._wandb.finish()
             self._wandb = None
 
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
