@@ -42,7 +42,9 @@ class ModelConfig:
     device: str = "auto"
     """'auto' (cuda > npu > cpu), 'cpu', 'cuda', 'cuda:1', 'npu', ..."""
     dtype: str = "float32"
-    """'float32', 'bfloat16' or 'float64' (exactness tests). bf16 is ~37x slower on AVX2 CPUs."""
+    """'float32', 'bfloat16', 'float16' or 'float64' (exactness tests). The engines run in it;
+    with bfloat16/float16 the trainer keeps float32 master weights and runs its forwards under
+    autocast (mixed precision). bf16 is ~37x slower on AVX2 CPUs."""
     seed: int = 0
     """Seed of the random initialisation of presets."""
     attn_implementation: str = "sdpa"
@@ -159,6 +161,12 @@ class AlgorithmConfig:
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    lr_scheduler: str = "constant"
+    """Learning-rate schedule over optimizer steps (`transformers.get_scheduler`): 'constant',
+    'linear' (decays to 0 at the last step) or 'cosine' (half cosine to 0), each after
+    `warmup_steps`. The run length is trainer.iterations x optimizer_steps_per_iteration."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to `lr` (as in HF Trainer, step 0 then runs at lr 0)."""
     eps_low: float = 0.2
     """Lower clip range of the ratio (1 - eps_low)."""
     eps_high: float = 0.2
@@ -190,6 +198,9 @@ class AlgorithmConfig:
         _check(self.group_size >= 1, a, "group_size", self.group_size, "must be >= 1")
         _check(self.prompts_per_iteration >= 1, a, "prompts_per_iteration", self.prompts_per_iteration, "must be >= 1")
         _check(self.lr > 0, a, "lr", self.lr, "must be > 0")
+        _check(self.lr_scheduler in ("constant", "linear", "cosine"), a, "lr_scheduler", self.lr_scheduler,
+               "expected constant, linear or cosine")
+        _check(self.warmup_steps >= 0, a, "warmup_steps", self.warmup_steps, "must be >= 0")
         _check(0 <= self.eps_low < 1, a, "eps_low", self.eps_low, "must be in [0, 1)")
         _check(self.eps_high >= 0, a, "eps_high", self.eps_high, "must be >= 0")
         _check(self.beta >= 0, a, "beta", self.beta, "must be >= 0")
@@ -211,6 +222,11 @@ class TrainerConfig:
     """Training iterations (one weight version each)."""
     threads: int = 1
     """torch CPU threads of the trainer (CPU only)."""
+    threads_after_generation: int = 0
+    """torch CPU threads of the trainer once the iteration's generation has ended, until the
+    barrier: the engines' cores are idle then (engines and trainer on one machine). 0 keeps
+    `threads`. Applies to the separated and off-policy modes (sync-separated trains wholly
+    after generation, so it gets them for all its training)."""
     output_dir: str = "runs/default"
     """Where the run writes config, metrics, trace and checkpoints."""
     save_every: int = 0
@@ -225,6 +241,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check(self.iterations >= 0, "trainer", "iterations", self.iterations, "must be >= 0")
         _check(self.threads >= 1, "trainer", "threads", self.threads, "must be >= 1")
+        _check(self.threads_after_generation >= 0, "trainer", "threads_after_generation",
+               self.threads_after_generation, "must be >= 0")
         _check(self.save_every >= 0, "trainer", "save_every", self.save_every, "must be >= 0")
         _check(self.eval_every >= 0, "trainer", "eval_every", self.eval_every, "must be >= 0")
 
@@ -232,13 +250,14 @@ class TrainerConfig:
 @dataclass
 class PipelineConfig:
     mode: str = "periodic-async"
-    """'sync-colocated', 'sync-separated' or 'periodic-async'."""
+    """'sync-colocated', 'sync-separated', 'periodic-async' (on-policy), or 'async-offpolicy'
+    (one-step-stale baseline: batch t+1 generates with theta_t while batch t trains; see modes.py)."""
     queue_size: int = 0
     """Bound of the producer->consumer queue (0: prompts_per_iteration)."""
 
     def __post_init__(self) -> None:
-        _check(self.mode in ("sync-colocated", "sync-separated", "periodic-async"), "pipeline", "mode",
-               self.mode, "expected sync-colocated, sync-separated or periodic-async")
+        modes = ("sync-colocated", "sync-separated", "periodic-async", "async-offpolicy")
+        _check(self.mode in modes, "pipeline", "mode", self.mode, f"expected one of {', '.join(modes)}")
         _check(self.queue_size >= 0, "pipeline", "queue_size", self.queue_size, "must be >= 0")
 
 
@@ -248,6 +267,8 @@ class LoggingConfig:
     """'offline' (default, no network), 'online', or 'disabled'."""
     wandb_project: str = "periodic-async"
     """W&B project name."""
+    wandb_group: str = ""
+    """W&B group (one per experiment); empty: the WANDB_RUN_GROUP environment variable, if set."""
     trace: bool = True
     """Write the timeline (trace.jsonl and a Chrome trace)."""
     progress: bool = True

@@ -5,7 +5,10 @@
   `trace.jsonl` and a Chrome trace (`trace.chrome.json`, open in chrome://tracing or
   Perfetto). `plots.plot_timeline` draws the paper's Figure 1 from these files.
 - `MetricsLogger` writes one JSON line per logged step to `metrics.jsonl` and mirrors it to
-  Weights & Biases (offline by default; `logging.wandb_mode=online` to sync).
+  Weights & Biases (offline by default; `logging.wandb_mode=online` to sync), one W&B run
+  per pipeline run, grouped by experiment (`logging.wandb_group` or `WANDB_RUN_GROUP`).
+- `log_experiment` adds the experiment's own W&B run (job_type "summary", same group) with
+  its CSVs (as tables and files) and figures as one artifact.
 Times are `time.time()` seconds, comparable across processes of one machine.
 """
 
@@ -65,10 +68,13 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 class MetricsLogger:
-    """JSONL metrics (always) plus W&B (unless mode='disabled' or wandb is missing)."""
+    """JSONL metrics (always) plus W&B (unless mode='disabled' or wandb is missing).
+
+    The W&B group is `group`, else the config's `logging.wandb_group`, else the environment's
+    WANDB_RUN_GROUP (each experiments/*.sh exports its name), else none."""
 
     def __init__(self, out_dir: str | Path, config: Any = None, mode: str = "offline",
-                 project: str = "periodic-async", name: str | None = None) -> None:
+                 project: str = "periodic-async", name: str | None = None, group: str | None = None) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
@@ -81,8 +87,12 @@ class MetricsLogger:
             if wandb is not None:
                 os.environ.setdefault("WANDB_SILENT", "true")
                 cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
-                self._wandb = wandb.init(project=project, name=name, mode=mode, config=cfg,
-                                         dir=str(Path(out_dir).resolve()), reinit="finish_previous")
+                group = group or getattr(getattr(config, "logging", None), "wandb_group", "") or \
+                    os.environ.get("WANDB_RUN_GROUP") or None
+                mode_name = getattr(getattr(config, "pipeline", None), "mode", None)
+                self._wandb = wandb.init(project=project, name=name, mode=mode, config=cfg, group=group,
+                                         job_type=mode_name, dir=str(Path(out_dir).resolve()),
+                                         reinit="finish_previous")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
@@ -96,3 +106,41 @@ class MetricsLogger:
             self._wandb.finish()
             self._wandb = None
 
+
+
+def log_experiment(name: str, csv_paths: list[str | Path], figure_paths: list[str | Path] = (),
+                   mode: str | None = None, project: str = "periodic-async", config: dict | None = None):
+    """One W&B run of job_type "summary" in group `name`: each CSV as a table and every CSV and
+    figure as files of one artifact (type "results"). The pipeline runs of the experiment log
+    their per-iteration metrics in the same group. `mode` defaults to WANDB_MODE, else offline.
+    Files that do not exist are skipped. Returns the run's directory, or None when disabled or
+    wandb is missing."""
+    import csv
+
+    mode = mode or os.environ.get("WANDB_MODE", "offline")
+    if mode == "disabled":
+        return None
+    try:
+        import wandb
+    except ImportError:
+        return None
+    os.environ.setdefault("WANDB_SILENT", "true")
+    csvs = [Path(p) for p in csv_paths if Path(p).is_file()]
+    figures = [Path(p) for p in figure_paths if Path(p).is_file()]
+    run = wandb.init(project=project, name=f"{name}-summary", group=name, job_type="summary", mode=mode,
+                     config=config or {}, reinit="finish_previous")
+    try:
+        artifact = wandb.Artifact(name, type="results")
+        for path in csvs:
+            with path.open() as f:
+                rows = list(csv.reader(f))
+            if rows:
+                run.log({f"table/{path.stem}": wandb.Table(columns=rows[0], data=rows[1:])})
+            artifact.add_file(str(path))
+        for path in figures:
+            run.log({f"figure/{path.stem}": wandb.Image(str(path))})
+            artifact.add_file(str(path))
+        run.log_artifact(artifact)
+        return Path(run.dir).parent
+    finally:
+        run.finish()
