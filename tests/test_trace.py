@@ -3,6 +3,7 @@ group and its CSV and figure files (wandb 0.31 offline: the run is a binary .wan
 records hold the group, job type and artifact manifest as plain strings)."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,13 @@ def test_tracer_writes_sorted_jsonl_and_chrome_trace(tmp_path):
     assert [(e["ts"], e["dur"]) for e in spans] == [(0.0, 2e6), (1e6, 0.5e6)]  # microseconds from the first
 
 
-def _wandb_log(run_dir: Path) -> bytes:
+def _wandb_log(run_dir: Path, needle: bytes) -> bytes:
+    """The run's log once it holds `needle` (the wandb service may still be writing it)."""
     (log,) = run_dir.glob("*.wandb")
+    for _ in range(100):
+        if needle in log.read_bytes():
+            break
+        time.sleep(0.1)
     return log.read_bytes()
 
 
@@ -52,7 +58,7 @@ def test_log_experiment_writes_group_csv_and_figure(wandb_dirs):
     plt.close("all")
     run_dir = log_experiment("equivalence", [csv_path, wandb_dirs / "missing.csv"], [png])
     assert run_dir.is_relative_to(wandb_dirs / "wandb_dir")
-    log = _wandb_log(run_dir)
+    log = _wandb_log(run_dir, b"equivalence.png")
     for needle in (b"equivalence-summary", b"summary", b"equivalence.csv", b"equivalence.png"):
         assert needle in log, needle
     assert b"missing.csv" not in log
@@ -64,11 +70,12 @@ def test_metrics_logger_groups_by_config_then_environment(wandb_dirs, monkeypatc
     logger = MetricsLogger(wandb_dirs / "a", cfg, name="a")
     logger.log({"reward/mean": 0.5}, step=1)
     logger.close()
-    log = _wandb_log(next((wandb_dirs / "a" / "wandb").glob("offline-run-*")))
+    log = _wandb_log(next((wandb_dirs / "a" / "wandb").glob("offline-run-*")), b"sync-separated")
     assert b"fig1_timeline" in log and b"sync-separated" in log
     assert read_jsonl(wandb_dirs / "a" / "metrics.jsonl")[0]["reward/mean"] == 0.5
 
     monkeypatch.setenv("WANDB_RUN_GROUP", "from_env_group")
     logger = MetricsLogger(wandb_dirs / "b", load_config(RunConfig, None, []), name="b")
     logger.close()
-    assert b"from_env_group" in _wandb_log(next((wandb_dirs / "b" / "wandb").glob("offline-run-*")))
+    run_b = next((wandb_dirs / "b" / "wandb").glob("offline-run-*"))
+    assert b"from_env_group" in _wandb_log(run_b, b"from_env_group")
