@@ -240,7 +240,8 @@ def test_stop_string_and_eos_end_samples(model_cfg, tokenizer):
 
 def test_sampling_top_k_top_p_and_inverse_cdf():
     """sample_next draws from the tempered, top-k/top-p truncated distribution: evenly spaced
-    uniforms reproduce its probabilities; behaviour log-probs are log_softmax of the raw logits."""
+    uniforms reproduce its probabilities; behaviour log-probs are those of the tempered,
+    un-truncated distribution log_softmax(logits / T) (T = 1 for greedy rows)."""
     torch.manual_seed(0)
     logits = torch.randn(1, 12) * 2
     u = (torch.arange(20000, dtype=torch.float64) + 0.5) / 20000
@@ -249,7 +250,7 @@ def test_sampling_top_k_top_p_and_inverse_cdf():
     def freq(temp, top_p, top_k):
         ones = torch.ones(len(u))
         tok, lp = sample_next(rows, ones * temp, ones * top_p, (ones * top_k).long(), u)
-        assert torch.allclose(lp, torch.log_softmax(logits[0], -1)[tok])
+        assert torch.allclose(lp, torch.log_softmax(logits[0] / temp, -1)[tok])
         return torch.bincount(tok, minlength=12).double() / len(u)
 
     p = torch.softmax(logits[0].double() / 0.7, -1)
@@ -263,9 +264,10 @@ def test_sampling_top_k_top_p_and_inverse_cdf():
     pp = torch.zeros_like(p)
     pp[order[:n_keep]] = p[order[:n_keep]] / p[order[:n_keep]].sum()
     assert torch.allclose(freq(0.7, 0.6, 0), pp, atol=2e-4)
-    greedy, _ = sample_next(logits, torch.zeros(1), torch.ones(1), torch.zeros(1, dtype=torch.long),
-                            torch.full((1,), 0.3, dtype=torch.float64))
+    greedy, lp = sample_next(logits, torch.zeros(1), torch.ones(1), torch.zeros(1, dtype=torch.long),
+                             torch.full((1,), 0.3, dtype=torch.float64))
     assert greedy.item() == logits.argmax().item()
+    assert torch.allclose(lp, torch.log_softmax(logits[0], -1)[greedy])
 
 
 def test_weight_arrays_roundtrip():

@@ -200,13 +200,21 @@ _flex_failed = False
 """Set when FlexAttention raised once in this process: later calls go straight to split."""
 
 
-def token_logprobs(model, batch: PackedBatch, with_entropy: bool = False, backend: str = "auto"):
-    """Per-label log-probs `logp_N` (and detached entropies `entropy_N`) of a HF causal LM.
+def token_logprobs(model, batch: PackedBatch, with_entropy: bool = False, backend: str = "auto",
+                   temperature: float = 1.0):
+    """Per-label log-probs `logp_N` (and detached entropies `entropy_N`) of a HF causal LM,
+    under the tempered distribution softmax(logits / temperature).
 
     `backend`: 'auto' | 'dense' | 'split' | 'flex' (see the module docstring). 'split' and
     'flex' switch the model to the "shared_prompt" attention function on first use.
+    `temperature`: the engines' sampling temperature (`engine.temperature`); 0 (greedy)
+    scores at 1. The trained policy is the tempered softmax, un-truncated by top-k / top-p,
+    exactly what the engines report as behaviour log-probs (see `engine.batcher.sample_next`
+    for why truncation is left out); the entropy is that of the same distribution.
     """
     global _flex_failed
+    if temperature < 0:
+        raise ValueError(f"token_logprobs: temperature={temperature} must be >= 0")
 
     def hidden(name):
         return model.base_model(input_ids=batch.input_ids_1xT, position_ids=batch.position_ids_1xT, use_cache=False,
@@ -227,6 +235,8 @@ def token_logprobs(model, batch: PackedBatch, with_entropy: bool = False, backen
     logits_NxV = model.get_output_embeddings()(h_NxD)
     if logits_NxV.dtype in (torch.bfloat16, torch.float16):
         logits_NxV = logits_NxV.float()
+    if temperature not in (0, 1):
+        logits_NxV = logits_NxV / temperature
     logprobs_NxV = torch.log_softmax(logits_NxV, dim=-1)
     logp_N = logprobs_NxV.gather(1, batch.labels_N[:, None])[:, 0]
     if not with_entropy:

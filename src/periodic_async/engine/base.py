@@ -6,11 +6,12 @@ one `RequestOutput` per request as soon as its n samples are done, in completion
 pushes new weights with `update_weights` at the iteration barrier, never while a
 `generate` iterator is open, so no request ever mixes versions.
 
-Behaviour log-probs: `Sample.logprobs[i]` is log_softmax(raw logits)[token_i], the log-prob
-of the sampled token under the model at temperature 1, before temperature / top-k / top-p.
-That is the quantity the trainer recomputes for the old policy, so the two can be compared
-(and it is vLLM's default `raw_logprobs`). It is not the log-prob of the (truncated,
-tempered) distribution that was actually sampled from.
+Behaviour log-probs: `Sample.logprobs[i]` is log_softmax(logits / T)[token_i], the log-prob
+of the sampled token under the tempered distribution (T = the request's temperature, 1 for
+greedy), before top-k / top-p truncation. That is the distribution the trainer scores
+(`shared_prompt.token_logprobs(..., temperature=T)`), so the two can be compared, and an
+off-policy trainer can use them as its old log-probs. Why un-truncated: see
+`batcher.sample_next`.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Sample:
     token_ids: list[int]
     """R response tokens; include the eos token when the sample stopped on it."""
     logprobs: list[float]
-    """R behaviour log-probs (temperature 1, see the module docstring)."""
+    """R behaviour log-probs, log_softmax(logits / T) (see the module docstring)."""
     text: str
     """Decoded response (special tokens skipped, cut before a stop string)."""
     finish_reason: str

@@ -126,20 +126,31 @@ class SlotCache(Cache):
 
 def sample_next(logits_BxV: torch.Tensor, temperature_B: torch.Tensor, top_p_B: torch.Tensor,
                 top_k_B: torch.Tensor, u_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its behaviour log-prob (log_softmax of the raw logits).
+    """One token per row and its behaviour log-prob, log_softmax(logits / T)[token].
 
     Row b is greedy (argmax) when temperature_B[b] == 0; otherwise tokens are sorted by
     probability (stable), cut by top-k then top-p (a kept prefix), and the token is the first
     whose cumulative probability exceeds u_B[b] * kept mass (inverse CDF, u in [0, 1)).
     Everything is row-wise, so a row's result does not depend on the other rows.
+
+    The behaviour log-prob is that of the *tempered, un-truncated* distribution
+    softmax(logits / T) (T = 1 for greedy rows), the distribution the trainer scores
+    (`shared_prompt.token_logprobs(..., temperature=T)`), as verl and TRL do. Why not the
+    truncated one we actually draw from: the policy being trained is the full tempered
+    softmax; top-k / top-p renormalise over a kept set that itself depends on the weights,
+    so a ratio, gradient or KL on the truncated distribution would refer to a support that
+    moves with every update (and is not differentiable in where it cuts). The sampled token
+    is always inside the kept set, so its tempered log-prob is finite. The price: with
+    top_p < 1 or top_k > 0 the samples come from a slightly narrower distribution than the
+    one trained (usual practice, and why RL runs tend to keep top_p = 1, top_k = 0).
     """
     logits_BxV = logits_BxV.float()
-    logp_BxV = torch.log_softmax(logits_BxV, dim=-1)
     tokens_B = logits_BxV.argmax(dim=-1)
     sampled = temperature_B > 0
+    scaled = logits_BxV / torch.where(sampled, temperature_B, 1.0)[:, None]
+    logp_BxV = torch.log_softmax(scaled, dim=-1)
     if bool(sampled.any()):
         V = logits_BxV.shape[-1]
-        scaled = logits_BxV / torch.where(sampled, temperature_B, 1.0)[:, None]
         sorted_BxV, order_BxV = torch.sort(scaled, dim=-1, descending=True, stable=True)
         rank_V = torch.arange(V, device=logits_BxV.device)
         keep = (top_k_B[:, None] == 0) | (rank_V[None, :] < top_k_B[:, None])

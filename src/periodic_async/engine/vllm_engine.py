@@ -8,8 +8,13 @@ verl and TRL use; check it on a GPU before relying on it.
 - Streaming: requests go to `llm.llm_engine.add_request` (one per group, `n` samples,
   `output_kind=FINAL_ONLY`) and `llm.llm_engine.step()` runs vLLM's own continuous
   batching; a group is yielded as soon as vLLM reports it finished.
-- Behaviour log-probs: `logprobs=0` returns the sampled token's log-prob; vLLM's default
-  `logprobs_mode` is raw (temperature 1), matching the built-in engine (see base.py).
+- Behaviour log-probs: `logprobs=0` returns the sampled token's log-prob. vLLM's default
+  `logprobs_mode="raw_logprobs"` is log_softmax of the raw logits (temperature 1); we start
+  vLLM with `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2), the log_softmax after
+  temperature, which is what the trainer scores (base.py). vLLM computes it after top-k /
+  top-p as well, i.e. renormalised over the kept tokens: with top_p < 1 or top_k > 0 its
+  value exceeds ours by -log(kept mass), and the trainer's `behaviour_logp_gap` shows that
+  difference (warned once); with top_p = 1 and top_k = 0 (RL's usual setting) they agree.
 - Weights: `model.load_weights(iter((name, tensor)))` on the model inside the engine (HF
   names), then `reset_prefix_cache()` so no KV computed with old weights is reused. The
   engine core must live in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here).
@@ -21,6 +26,7 @@ verl and TRL use; check it on a GPU before relying on it.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -28,6 +34,8 @@ from collections.abc import Iterator
 import torch
 
 from periodic_async.engine.base import Engine, EngineError, Request, RequestOutput, Sample
+
+logger = logging.getLogger(__name__)
 
 
 def _import_vllm():
@@ -48,6 +56,11 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # model reachable in-process
         vllm = _import_vllm()
         self._vllm = vllm
+        llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # tempered, like the trainer
+        if engine_cfg.top_p < 1 or engine_cfg.top_k > 0:
+            logger.warning("vLLM's processed log-probs are renormalised over the top-p/top-k set "
+                           "(engine.top_p=%s, engine.top_k=%s): behaviour log-probs exceed the trainer's "
+                           "tempered, un-truncated ones by -log(kept mass)", engine_cfg.top_p, engine_cfg.top_k)
         self.llm = vllm.LLM(model=model_cfg.name_or_path, dtype=model_cfg.dtype, seed=model_cfg.seed,
                             max_num_seqs=engine_cfg.max_num_seqs, enable_prefix_caching=True, **llm_kwargs)
         self._version = 0
