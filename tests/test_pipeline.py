@@ -119,7 +119,7 @@ def test_stale_version_rejected(tokenizer_dir, tmp_path):
     policy, _ = load_policy(cfg.model)
     consumer = Consumer(policy, cfg)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    with pytest.raises(StaleGroupError, match="sampled by version 0; the trainer is at version 1"):
+    with pytest.raises(StaleGroupError, match="sampled by version 0; iteration 1 takes version 1 only"):
         consumer.train_iteration([_group(1), _group(0)], iteration=1, version=1)
     assert _max_diff(before, policy.state_dict()) == 0  # nothing was stepped
 
@@ -162,7 +162,7 @@ def test_producer_error_stops_the_run_and_keeps_the_checkpoint(engine, tokenizer
 def test_colocated_mode_samples_the_same_tokens(engine, tokenizer_dir, tmp_path):
     """sync-colocated (in-process engine, same dispatch) follows sync-separated."""
     sep = _cfg(tmp_path, tokenizer_dir, "sync-separated", **{"trainer.iterations": 2})
-    col = _cfg(tmp_path, tokenizer_dir, "sync-colocated", **{"trainer.iterations": 2})
+    col = _cfg(tmp_path, tokenizer_dir, "sync-colocated", **{"trainer.iterations": 2, "engine.backend": "local"})
     run(sep, engine=engine)
     run(col)
     assert _by_prompt(_rollouts(sep)) == _by_prompt(_rollouts(col))
@@ -187,3 +187,66 @@ def test_trace_records_every_phase_and_draws_the_timeline(engine, tokenizer_dir,
     assert all(m["train/behaviour_logp_gap"] < 1e-5 for m in metrics)
     png = plot_timeline([("async", Path(cfg.trainer.output_dir) / "trace.jsonl")], tmp_path / "t.png")
     assert png.stat().st_size > 10_000
+
+
+def _phases(cfg: RunConfig) -> dict[int, tuple[float, float]]:
+    """Per iteration: (first micro-step start, last generation end) from the run's trace."""
+    events = read_jsonl(Path(cfg.trainer.output_dir) / "trace.jsonl")
+    out = {}
+    for it in range(cfg.trainer.iterations):
+        gen_end = max(e["start"] + e["dur"] for e in events
+                      if e["name"] == "generate" and e["args"]["request"].startswith(f"it{it}-"))
+        first_train = min(e["start"] for e in events if e["name"] == "micro_step" and e["args"]["iteration"] == it)
+        out[it] = (first_train, gen_end)
+    return out
+
+
+def test_async_trains_while_generating(engine, tokenizer_dir, tmp_path):
+    """The trace of periodic-async shows training start before the iteration's generation
+    ends (one group per micro-batch, B*G well above the engines' slots); sync-separated's
+    trainer waits for the whole batch. Fails if the consumer ever waits for the batch."""
+    extra = {"algorithm.prompts_per_iteration": 12, "algorithm.micro_batch_tokens": 0,
+             "algorithm.micro_batch_groups": 1, "trainer.iterations": 2}
+    asyn = _cfg(tmp_path, tokenizer_dir, "periodic-async", **extra)
+    sync = _cfg(tmp_path, tokenizer_dir, "sync-separated", **extra)
+    run(asyn, engine=engine)
+    run(sync, engine=engine)
+    assert all(first < gen_end for first, gen_end in _phases(asyn).values()), _phases(asyn)
+    assert all(first >= gen_end for first, gen_end in _phases(sync).values()), _phases(sync)
+
+
+def test_offpolicy_mode_trains_on_one_step_stale_samples(engine, tokenizer_dir, tmp_path):
+    """async-offpolicy: batch t (t >= 1) is sampled by version t-1 while batch t-1 trains; its
+    importance ratios (old = behaviour log-probs) show the staleness that the on-policy
+    modes do not have, and it leaves the synchronous trajectory."""
+    off = _cfg(tmp_path, tokenizer_dir, "async-offpolicy")
+    on = _cfg(tmp_path, tokenizer_dir, "periodic-async")
+    run(off, engine=engine)
+    run(on, engine=engine)
+    versions = {(r["iteration"], r["version"]) for r in _rollouts(off)}
+    assert versions == {(0, 0), (1, 0), (2, 1)}
+    dev_off = [m["train/ratio_abs_dev"] for m in read_jsonl(Path(off.trainer.output_dir) / "metrics.jsonl")]
+    dev_on = [m["train/ratio_abs_dev"] for m in read_jsonl(Path(on.trainer.output_dir) / "metrics.jsonl")]
+    assert dev_on == [0.0, 0.0, 0.0]  # old = policy, detached: the ratio is exactly 1 on-policy
+    assert dev_off[0] < 1e-5  # batch 0: sampled by the weights it trains (fp32 engine noise only)
+    assert min(dev_off[1:]) > 100 * max(dev_off[0], 1e-9), dev_off  # stale by one step
+    # generation of batch t+1 overlaps the training of batch t
+    events = read_jsonl(Path(off.trainer.output_dir) / "trace.jsonl")
+    gen1 = [e["start"] for e in events if e["name"] == "generate" and e["args"]["request"].startswith("it1-")]
+    train0_end = max(e["start"] + e["dur"] for e in events if e["name"] == "micro_step" and e["args"]["iteration"] == 0)
+    assert min(gen1) < train0_end
+    assert _max_diff(_final_weights(off), _final_weights(on)) > 1e-6
+
+
+def test_evaluation_runs_through_the_engines(engine, tokenizer_dir, tmp_path):
+    """trainer.eval_every=1: every version 0..T is evaluated greedily on all held-out prompts
+    by the engines while the trainer trains; the final version by evaluate_now."""
+    cfg = _cfg(tmp_path, tokenizer_dir, "periodic-async",
+               **{"data.num_eval": 10, "trainer.eval_every": 1, "trainer.eval_at_end": True})
+    summary = run(cfg, engine=engine)
+    rows = read_jsonl(Path(cfg.trainer.output_dir) / "eval.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["n"] == 10 and 0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    assert summary["eval_accuracy"] == rows[-1]["accuracy"]
+    metrics = read_jsonl(Path(cfg.trainer.output_dir) / "metrics.jsonl")
+    assert [m.get("eval/version") for m in metrics[:3]] == [0, 1, 2]

@@ -148,7 +148,9 @@ def micro_batch_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, ref_logp_N:
 
     cfg: an `AlgorithmConfig` (eps_low, eps_high, beta). weights_N from `token_weights`.
     Returns (loss_sum: scalar with grad = sum_n w_n * loss_n, call `.backward()` on it;
-    sums: {'loss': sum w*loss, 'kl': sum kl, 'clip': clipped tokens, 'entropy': sum entropy}
+    sums: {'loss': sum w*loss, 'kl': sum kl, 'clip': clipped tokens, 'ratio': sum of the
+    importance ratios, 'ratio_dev': sum |ratio - 1| (0 on-policy: the staleness shows here),
+    'entropy': sum entropy}
     as detached 0-d tensors, to hand to `LossAccumulator.add`).
     """
     advantages_N = advantages_N.to(logp_N.dtype)
@@ -156,7 +158,10 @@ def micro_batch_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, ref_logp_N:
     loss_N, kl_N, clipped_N = per_token_loss(logp_N, old_logp_N, advantages_N, cfg.eps_low, cfg.eps_high,
                                              ref_logp_N, cfg.beta)
     loss_sum = (weights_N * loss_N).sum()
+    with torch.no_grad():
+        ratio_N = torch.exp(logp_N.detach() - old_logp_N)
     sums = {"loss": loss_sum.detach(), "kl": kl_N.sum(), "clip": clipped_N.sum().to(kl_N.dtype),
+            "ratio": ratio_N.sum(), "ratio_dev": (ratio_N - 1).abs().sum(),
             "entropy": entropy_N.detach().sum() if entropy_N is not None else torch.zeros((), dtype=kl_N.dtype)}
     return loss_sum, sums
 
@@ -226,7 +231,8 @@ class LossAccumulator:
         n = max(self.num_tokens, 1)
         out = {"loss": float(self.sums.get("loss", 0.0)) / self.normaliser if self.num_tokens else 0.0}
         for k, name in (("kl", "kl"), ("clip", "clip_frac"), ("entropy", "entropy"),
-                        ("behaviour_gap", "behaviour_logp_gap")):
+                        ("behaviour_gap", "behaviour_logp_gap"), ("ratio", "ratio_mean"),
+                        ("ratio_dev", "ratio_abs_dev")):
             out[name] = float(self.sums.get(k, 0.0)) / n
         out.update(tokens=float(self.num_tokens), sequences=float(self.num_sequences),
                    micro_batches=float(self.num_micro_batches))

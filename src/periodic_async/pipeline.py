@@ -1,21 +1,38 @@
-"""The three training modes, wired from the same parts (PAPER.md points 1-4).
+"""The training loop, the same for every mode (the paper's Figure 1; method points 1-4).
 
-    sync-colocated   one process, all cores: the in-process engine generates the whole
-                     batch, then the trainer trains (what verl's hybrid engine and TRL do).
+    begin: push version 0 to the engines, start generating iteration 0
+    for each iteration t:
+        the trainer consumes the iteration's groups (micro-batches, gradient accumulation)
+        and takes one optimizer step
+        the barrier: version t+1 is pushed to every engine
+        the next iteration starts generating; the books are kept meanwhile
+
+What differs between modes lives in `modes.py` (the order the trainer takes groups, which
+version sampled them, whether the next batch is prefetched); where the engines run is
+configuration (`engine.backend`, workers, threads):
+
+    sync-colocated   engines and trainer take turns on the same devices: generate the whole
+                     batch, then train (what verl's hybrid engine and TRL do). With
+                     engine.backend=local the engine runs in the trainer's process and threads;
+                     with ray workers they idle while the trainer trains.
     sync-separated   separate engine workers and trainer; training waits for the whole
                      batch and takes it in dataset order (the paper's Figure 1a).
     periodic-async   separate engine workers and trainer; the trainer takes groups in
                      completion order while the rest are still generating (Figure 1b).
-Every mode: one optimizer step per iteration (by default), then the barrier: version t+1 is
-pushed to every engine before iteration t+1's prompts are sent. So every sample of
-iteration t comes from the policy of version t, and from one seed the sync and async
-modes sample the same tokens and reach the same weights (tests/test_pipeline.py).
+    async-offpolicy  the one-step-stale baseline the paper argues against (see modes.py).
+In the on-policy modes every sample of iteration t comes from the policy of version t, and
+from one seed the sync and async modes sample the same tokens and reach the same weights
+(tests/test_pipeline.py).
+
+Held-out evaluation (`trainer.eval_every`) runs through the engines beside the generation
+(producer.py); each result is one line of eval.jsonl, {"step": version evaluated, accuracy,
+n, stderr}, and also appears in metrics.jsonl as eval/* with eval/version.
 
 Per-iteration metrics (metrics.jsonl + W&B): reward, accuracy, lengths, trained tokens,
 tokens/s per device, phase times and idle times. Definitions:
     trained tokens        sum over samples of (P + R_i): the logical tokens, whatever the packing
     devices               engine workers x threads_per_worker + trainer threads (separated modes);
-                          trainer threads (co-located). On CPU a device is a core.
+                          the larger of the two (co-located). On CPU a device is a core.
     tokens/s per device   trained tokens / iteration wall time / devices
 """
 
@@ -26,6 +43,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
@@ -33,27 +51,30 @@ from periodic_async.config import RunConfig, save_run_info
 from periodic_async.consumer import Consumer
 from periodic_async.data import few_shot_examples, load_examples
 from periodic_async.engine import Engine, make_engine
-from periodic_async.evaluate import evaluate
 from periodic_async.group import Group
 from periodic_async.model import load_policy
+from periodic_async.modes import make_mode
 from periodic_async.producer import Producer
 from periodic_async.reward import combined_reward, load_reward_fn
 from periodic_async.trace import MetricsLogger, Tracer
 
 
 def devices_in_use(cfg: RunConfig) -> int:
+    """Devices (CPU cores) the run holds: engines + trainer when separated; when co-located the
+    two take turns on the same devices (the in-process engine uses the trainer's threads)."""
+    engines = cfg.engine.num_workers * cfg.engine.threads_per_worker if cfg.engine.backend != "local" else 0
     if cfg.pipeline.mode == "sync-colocated":
-        return cfg.trainer.threads
-    return cfg.engine.num_workers * cfg.engine.threads_per_worker + cfg.trainer.threads
+        return max(cfg.trainer.threads, engines)
+    return engines + cfg.trainer.threads
 
 
-def _iteration_metrics(groups: list[Group], t_start: float, t_gen_end: float, t_end: float, train: dict,
-                       sync_s: float, cfg: RunConfig) -> dict[str, float]:
+def _iteration_metrics(groups: list[Group], t_start: float, t_end: float, train: dict, sync_s: float,
+                       cfg: RunConfig) -> dict[str, float]:
     rewards = [r for g in groups for r in g.rewards]
     lengths = [len(r) for g in groups for r in g.response_ids]
     trained = sum(len(g.prompt_ids) * g.size + g.num_response_tokens for g in groups)
     wall = t_end - t_start
-    gen_s = t_gen_end - t_start
+    gen_s = max(0.0, max(g.timings["finished"] for g in groups) - t_start)  # 0: prefetched (off-policy)
     m = {
         "reward/mean": statistics.fmean(rewards), "reward/std": statistics.pstdev(rewards),
         "accuracy": statistics.fmean(c for g in groups for c in g.correct),
@@ -68,9 +89,11 @@ def _iteration_metrics(groups: list[Group], t_start: float, t_gen_end: float, t_
         "idle/engine_s": wall - gen_s,
         "idle/trainer_s": wall - train["train_busy_s"] - sync_s,
     }
-    if train.get("first_group_at"):
-        m["time/first_group_s"] = train["first_group_at"] - t_start
-    m.update({f"train/{k}": v for k, v in train.items() if k not in ("train_busy_s", "first_group_at")})
+    for key in ("first_group_at", "threads_raised_at"):
+        if train.get(key):
+            m[f"time/{key.removesuffix('_at')}_s"] = train[key] - t_start
+    m.update({f"train/{k}": v for k, v in train.items()
+              if k not in ("train_busy_s", "first_group_at", "threads_raised_at")})
     return m
 
 
@@ -126,14 +149,14 @@ def _load_checkpoint(ckpt: Path, policy, consumer: Consumer) -> int:
 
 
 def build_engine(cfg: RunConfig) -> Engine:
-    backend = "local" if cfg.pipeline.mode == "sync-colocated" else cfg.engine.backend
-    return make_engine(cfg.engine, cfg.model, backend=backend)
+    return make_engine(cfg.engine, cfg.model)
 
 
 def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     """Train for `cfg.trainer.iterations`; returns a summary. Writes under trainer.output_dir:
-    config.yaml, run_info.json, metrics.jsonl, trace.jsonl, trace.chrome.json, checkpoint/,
-    summary.json. `engine` lets tests and benchmarks share one started engine."""
+    config.yaml, run_info.json, metrics.jsonl, eval.jsonl, rollouts.jsonl, trace.jsonl,
+    trace.chrome.json, checkpoint/, summary.json. `engine` lets tests and benchmarks share one
+    started engine."""
     out = Path(cfg.trainer.output_dir)
     save_run_info(cfg, out)
     torch.set_num_threads(cfg.trainer.threads)
@@ -144,71 +167,43 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     reward_fn = combined_reward([load_reward_fn(f) for f in cfg.reward.functions], cfg.reward.weights)
     tracer = Tracer(enabled=cfg.logging.trace)
     consumer = Consumer(policy, cfg, tracer)  # tri-model's ref = the initial weights
-    start_iteration = 0
+    start_iteration, last = 0, cfg.trainer.iterations
     ckpt = _resume_dir(cfg)
     if ckpt is not None:
         start_iteration = _load_checkpoint(ckpt, policy, consumer)
         print(f"[train] resumed from {ckpt} at iteration {start_iteration}")
     else:  # a fresh run does not append to an earlier run's logs
-        for name in ("metrics.jsonl", "rollouts.jsonl", "trace.jsonl", "trace.chrome.json", "summary.json"):
+        for name in ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl", "trace.jsonl", "trace.chrome.json",
+                     "summary.json"):
             (out / name).unlink(missing_ok=True)
     own_engine = engine is None
     engine = engine or build_engine(cfg)
-    producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer)
+    producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=evals)
     logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                            name=f"{cfg.pipeline.mode}-{out.name}")
-    history: list[dict] = []
-    completed = start_iteration
+    mode = make_mode(cfg.pipeline.mode)
+    books = _Books(cfg, out, logger, producer)
+    completed = start_iteration  # iterations whose optimizer step is done
     try:
-        t = time.time()
-        engine.update_weights(policy.state_dict(), start_iteration)  # the engines start from our weights
-        tracer.add("weight_sync", "trainer", t, time.time(), version=start_iteration)
-        bar = None
-        if cfg.logging.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=cfg.trainer.iterations, initial=start_iteration, desc=cfg.pipeline.mode, unit="it")
-        completed = start_iteration  # iterations whose optimizer step is done
+        _barrier(engine, policy, start_iteration, tracer)  # the engines start from our weights
         t_start = time.time()
-        if start_iteration < cfg.trainer.iterations:
-            producer.start(start_iteration)
-        for iteration in range(start_iteration, cfg.trainer.iterations):
-            version = iteration
-            if cfg.pipeline.mode == "periodic-async":
-                received: list[Group] = []
-
-                def stream():
-                    for g in producer.stream():
-                        received.append(g)
-                        yield g
-                train = consumer.train_iteration(stream(), iteration, version)
-                groups = received
-            else:  # synchronous: wait for the whole batch, train in dataset order
-                groups = sorted(producer.stream(), key=lambda g: g.timings["position"])
-                train = consumer.train_iteration(groups, iteration, version)
-            t_gen_end = max(g.timings["finished"] for g in groups)
-            t_sync = time.time()
-            engine.update_weights(policy.state_dict(), version + 1)  # the barrier
-            t_end = time.time()
+        mode.begin(producer, start_iteration, last)
+        for iteration in range(start_iteration, last):  # the paper's Figure 1
+            groups = _Received(mode.groups(producer, iteration))
+            train = consumer.train_iteration(groups, iteration, mode.sampled_by(iteration),
+                                             engines_idle=producer.generation_done)
+            mode.before_barrier(producer, iteration)
+            sync_s = _barrier(engine, policy, iteration + 1, tracer)
             completed = iteration + 1
-            tracer.add("weight_sync", "trainer", t_sync, t_end, version=version + 1)
-            m = _iteration_metrics(groups, t_start, t_gen_end, t_end, train, t_end - t_sync, cfg)
-            if cfg.trainer.eval_every and completed % cfg.trainer.eval_every == 0:
-                m["eval/accuracy"] = evaluate(policy, tokenizer, evals, shots, cfg.engine.max_tokens)["accuracy"]
-            if completed < cfg.trainer.iterations:  # the next iteration generates while we keep the books
-                t_start = time.time()
-                producer.start(completed)
-            if cfg.logging.rollouts:
-                _write_rollouts(out / "rollouts.jsonl", groups)
-            logger.log(m, step=completed)
-            history.append({"iteration": iteration, **m})
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", tok_s=f"{m['throughput/tokens_per_s']:.0f}")
+            t_end = time.time()
+            mode.after_barrier(producer, completed)  # the next iteration generates while we keep the books
+            books.iteration(groups.received, t_start, t_end, train, sync_s, completed)
             if cfg.trainer.save_every and completed % cfg.trainer.save_every == 0:
                 save_checkpoint(out, policy, tokenizer, consumer, completed)
-        if bar is not None:
-            bar.close()
+            t_start = time.time()
+        if cfg.trainer.eval_at_end and evals and completed not in producer.eval_results:
+            producer.evaluate_now(completed)
+        books.close(completed)
     except BaseException:
         # Keep what was trained: with one optimizer step per iteration the weights are those
         # at the end of the last completed iteration (a failed iteration never stepped).
@@ -221,12 +216,79 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
             engine.close()
         tracer.write(out)
         logger.close()
-    save_checkpoint(out, policy, tokenizer, consumer, cfg.trainer.iterations)
-    summary = _summary(cfg, history)
-    if cfg.trainer.eval_at_end and evals:
-        summary["eval_accuracy"] = evaluate(policy, tokenizer, evals, shots, cfg.engine.max_tokens)["accuracy"]
+    save_checkpoint(out, policy, tokenizer, consumer, last)
+    summary = _summary(cfg, books.history)
+    if completed in producer.eval_results:
+        summary["eval_accuracy"] = producer.eval_results[completed]["accuracy"]
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _barrier(engine: Engine, policy, version: int, tracer: Tracer) -> float:
+    """Push the policy's weights to every engine as `version`; returns the seconds it took."""
+    t = time.time()
+    engine.update_weights(policy.state_dict(), version)
+    t_end = time.time()
+    tracer.add("weight_sync", "trainer", t, t_end, version=version)
+    return t_end - t
+
+
+class _Received:
+    """Passes an iteration's groups to the trainer and keeps them, in the order consumed."""
+
+    def __init__(self, groups: Iterable[Group]) -> None:
+        self.groups, self.received = groups, []
+
+    def __iter__(self) -> Iterator[Group]:
+        for g in self.groups:
+            self.received.append(g)
+            yield g
+
+
+class _Books:
+    """Everything an iteration writes: metrics (JSONL + W&B), held-out accuracy, rollouts, progress."""
+
+    def __init__(self, cfg: RunConfig, out: Path, logger: MetricsLogger, producer: Producer) -> None:
+        self.cfg, self.out, self.logger, self.producer = cfg, out, logger, producer
+        self.history: list[dict] = []
+        self.logged_evals: set[int] = set()
+        self.bar = None
+        if cfg.logging.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=cfg.trainer.iterations, desc=cfg.pipeline.mode, unit="it")
+
+    def iteration(self, groups: list[Group], t_start: float, t_end: float, train: dict, sync_s: float,
+                  completed: int) -> None:
+        m = _iteration_metrics(groups, t_start, t_end, train, sync_s, self.cfg)
+        m.update(self._new_evals())
+        if self.cfg.logging.rollouts:
+            _write_rollouts(self.out / "rollouts.jsonl", groups)
+        self.logger.log(m, step=completed)
+        self.history.append({"iteration": completed - 1, **m})
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", tok_s=f"{m['throughput/tokens_per_s']:.0f}")
+
+    def _new_evals(self) -> dict[str, float]:
+        """Held-out results that arrived since the last call: one line each in eval.jsonl (step =
+        the version evaluated = iterations completed by those weights); the newest also goes
+        into the metrics as eval/* with eval/version."""
+        m = {}
+        for version in sorted(set(self.producer.eval_results) - self.logged_evals):
+            r = self.producer.eval_results[version]
+            with (self.out / "eval.jsonl").open("a") as f:
+                f.write(json.dumps({"step": version, **r}) + "\n")
+            self.logged_evals.add(version)
+            m = {"eval/accuracy": r["accuracy"], "eval/stderr": r["stderr"], "eval/n": r["n"], "eval/version": version}
+        return m
+
+    def close(self, completed: int) -> None:
+        m = self._new_evals()
+        if m:
+            self.logger.log(m, step=completed)
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _summary(cfg: RunConfig, history: list[dict]) -> dict:

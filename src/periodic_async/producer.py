@@ -7,6 +7,17 @@ B requests of G samples each to the engine at once (continuous batching does the
 and as each group completes scores it with the reward function, computes its group
 advantages and puts it on a bounded queue, tagged with the engine's version.
 
+Held-out evaluation runs through the same engines: when `trainer.eval_every` divides the
+engines' version, `start(t)` appends one greedy request per held-out prompt after the
+iteration's requests (FIFO admission puts them in the slots that free up at the end of the
+generation, where the engines would otherwise idle). They are scored with the correctness
+reward into `eval_results[version]`, never queued for training: the trainer keeps training
+while they run, and the iteration ends when both are done.
+
+`generation_done` is set once the engines have returned every request of the iteration
+(before the last group is queued): from then on the engines' devices are free until the
+barrier, and the consumer may take them (`trainer.threads_after_generation`).
+
 Guarantees: every prompt of the iteration is delivered exactly once (the consumer counts
 them); a request's sampling seed is a pure function of (run seed, iteration, prompt), so
 every pipeline mode samples the same tokens; an exception in the thread is re-raised in
@@ -52,8 +63,14 @@ class Producer:
     """
 
     def __init__(self, engine: Engine, tokenizer, examples: Sequence[Example], shots: Sequence[Example],
-                 reward_fn: Callable[..., list[float]], cfg: RunConfig, tracer: Tracer | None = None) -> None:
+                 reward_fn: Callable[..., list[float]], cfg: RunConfig, tracer: Tracer | None = None,
+                 eval_examples: Sequence[Example] = ()) -> None:
         self.engine, self.tokenizer, self.examples = engine, tokenizer, examples
+        self.eval_examples = list(eval_examples)
+        self.eval_results: dict[int, dict] = {}
+        """Greedy held-out accuracy per evaluated version: {'accuracy', 'n', 'stderr', 'iteration'}."""
+        self._eval_prompt_ids: list[list[int]] | None = None
+        self.generation_done = threading.Event()
         self.shots, self.reward_fn, self.cfg = list(shots), reward_fn, cfg
         self.tracer = tracer or Tracer(enabled=False)
         self.queue: queue.Queue = queue.Queue(maxsize=cfg.pipeline.queue_size or cfg.algorithm.prompts_per_iteration + 1)
@@ -70,10 +87,13 @@ class Producer:
         return self._prompt_ids[index]
 
     def start(self, iteration: int) -> None:
-        """Begin generating iteration `iteration` (the engine must hold its version)."""
+        """Begin generating iteration `iteration` with the engine's current version (and the
+        held-out requests when `trainer.eval_every` divides that version)."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("producer: previous iteration still running")
-        self._thread = threading.Thread(target=self._run, args=(iteration,), name=f"producer-{iteration}", daemon=True)
+        self.generation_done.clear()
+        self._thread = threading.Thread(target=self._run, args=(iteration,), name=f"producer-{iteration}",
+                                        daemon=True)
         self._thread.start()
 
     def stream(self, poll_s: float = 1.0) -> Iterator[Group]:
@@ -109,19 +129,60 @@ class Producer:
                 requests.append(Request(rid, self.prompt_ids(index), cfg.algorithm.group_size, self.params,
                                         request_seed(cfg.data.seed, iteration, index)))
                 by_id[rid] = (len(requests) - 1, index, example)
+            every = cfg.trainer.eval_every
+            evaluate = every and version % every == 0 and version not in self.eval_results and self.eval_examples
+            evals = self._eval_requests(iteration) if evaluate else {}
+            requests += [r for r, _ in evals.values()]
+            eval_texts: dict[int, str] = {}
             submitted = time.time()
             for out in self.engine.generate(requests):
                 if self._stop.is_set():
                     return
-                position, index, example = by_id.pop(out.request_id)
-                group = self._score(out, index, example, iteration, version, submitted)
-                group.timings["position"] = position  # request (dataset) order, for the sync modes
-                self.queue.put(group)
-            if by_id:
-                raise RuntimeError(f"producer: engine finished without requests {sorted(by_id)[:5]}")
+                if out.request_id in evals:
+                    eval_texts[evals.pop(out.request_id)[1]] = out.samples[0].text
+                else:
+                    position, index, example = by_id.pop(out.request_id)
+                    group = self._score(out, index, example, iteration, version, submitted)
+                    group.timings["position"] = position  # request (dataset) order, for the sync modes
+                    if not by_id and not evals:
+                        self.generation_done.set()
+                    self.queue.put(group)
+            if by_id or evals:
+                raise RuntimeError(f"producer: engine finished without requests {sorted(by_id) + sorted(evals)}")
+            self.generation_done.set()
+            if eval_texts:
+                self._score_eval(eval_texts, iteration, version)
             self.queue.put(_Done())
         except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
             self.queue.put(_Failed(e))
+
+    def evaluate_now(self, iteration: int) -> dict:
+        """Held-out greedy accuracy of the engines' current version, in the calling thread
+        (the end of a run, when no iteration is generating)."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("producer: evaluate_now while an iteration is generating")
+        evals = self._eval_requests(iteration)
+        texts = {evals[out.request_id][1]: out.samples[0].text
+                 for out in self.engine.generate([r for r, _ in evals.values()])}
+        return self._score_eval(texts, iteration, self.engine.version)
+
+    def _eval_requests(self, iteration: int) -> dict[str, tuple[Request, int]]:
+        greedy = SamplingParams(max_tokens=self.cfg.engine.max_tokens, temperature=0.0, stop=list(self.cfg.engine.stop))
+        if self._eval_prompt_ids is None:
+            self._eval_prompt_ids = [encode_chat(self.tokenizer, prompt_messages(e, self.shots))
+                                     for e in self.eval_examples]
+        return {f"eval{iteration}-{i}": (Request(f"eval{iteration}-{i}", ids, 1, greedy, seed=i), i)
+                for i, ids in enumerate(self._eval_prompt_ids)}
+
+    def _score_eval(self, texts: dict[int, str], iteration: int, version: int) -> dict:
+        order = sorted(texts)
+        correct = correctness_reward(None, [texts[i] for i in order],
+                                     answer=[self.eval_examples[i].answer for i in order])
+        n = len(correct)
+        acc = sum(correct) / n
+        self.eval_results[version] = {"accuracy": acc, "n": n, "stderr": (acc * (1 - acc) / n) ** 0.5,
+                                      "iteration": iteration}
+        return self.eval_results[version]
 
     def _score(self, out: RequestOutput, index: int, example: Example, iteration: int, version: int,
                submitted: float) -> Group:
