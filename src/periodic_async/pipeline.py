@@ -88,6 +88,9 @@ def _iteration_metrics(groups: list[Group], t_start: float, t_end: float, train:
         "time/reward_s": sum(g.timings.get("reward_s", 0.0) for g in groups), "time/sync_s": sync_s,
         "idle/engine_s": wall - gen_s,
         "idle/trainer_s": wall - train["train_busy_s"] - sync_s,
+        # Where an async iteration loses against max(T_gen, T_train): the trainer's work left
+        # when generation ends (the tail), before the barrier's weight sync.
+        "time/after_generation_s": wall - sync_s - gen_s,
     }
     for key in ("first_group_at", "threads_raised_at"):
         if train.get(key):
