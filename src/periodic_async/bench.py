@@ -190,3 +190,26 @@ def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequenc
         w.writeheader()
         w.writerows(rows)
     return p
+
+
+class SharedEngines:
+    """One started engine per (engine, model) configuration, shared by the runs of a benchmark
+    that use it: engine start-up (Ray actors importing torch) is no part of any measurement,
+    and restarting it for every run would cost minutes. `pipeline.run` pushes its own initial
+    weights to the engine, so a shared engine never leaks one run's weights into another."""
+
+    def __init__(self):
+        self.cache: dict[str, Any] = {}
+
+    def get(self, cfg):
+        from periodic_async.pipeline import build_engine
+
+        key = repr((cfg.engine, cfg.model))
+        if key not in self.cache:
+            self.cache[key] = build_engine(cfg)
+        return self.cache[key]
+
+    def close(self) -> None:
+        for engine in self.cache.values():
+            engine.close()
+        self.cache.clear()
