@@ -125,7 +125,7 @@ class _PromptPlusOwn(torch.autograd.Function):
                                 v[:, :, starts[-2]:starts[-1]], is_causal=True, scale=scale))
         o2, lse2 = torch.cat([o for o, _ in parts], 2), torch.cat([lse_i for _, lse_i in parts], 2)
         lse = torch.logaddexp(lse1, lse2)
-        out = o1 * (lse1 - lse).exp()[..., None] + o2 * (lse2 - lse).exp()[..., None]
+        out = (o1 * (lse1 - lse).exp()[..., None] + o2 * (lse2 - lse).exp()[..., None]).to(q.dtype)
         ctx.save_for_backward(q, k_p, v_p, k, v, out, lse)
         ctx.starts, ctx.scale = starts, scale
         return out
@@ -133,7 +133,7 @@ class _PromptPlusOwn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k_p, v_p, k, v, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.to(q.dtype).contiguous()
         dq, dk_p, dv_p = _flash_backward(grad_out, q, k_p, v_p, out, lse, 0.0, False, scale=ctx.scale)
         dq2, dk, dv = [], [], []
         for a, b in zip(ctx.starts[:-1], ctx.starts[1:]):
@@ -149,6 +149,9 @@ def split_attention(query, key, value, plan: SplitPlan, scaling: float | None = 
     """Attention of a packed row, call by call. query 1xHxTxd, key/value 1xH_kvxTxd -> 1xTxHxd."""
     if query.shape[0] != 1:
         raise ValueError(f"split attention expects one packed row, got batch {query.shape[0]}")
+    if torch.is_autocast_enabled(query.device.type):  # mixed precision: RoPE left q, k in float32,
+        dt = torch.get_autocast_dtype(query.device.type)  # and the raw kernels below want one dtype
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
     gqa = {}
     n_rep = query.shape[1] // key.shape[1]
     if n_rep > 1:

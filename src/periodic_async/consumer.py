@@ -24,6 +24,7 @@ from periodic_async import grpo
 from periodic_async.batching import MicroBatcher
 from periodic_async.config import RunConfig
 from periodic_async.group import Group
+from periodic_async.model import resolve_dtype
 from periodic_async.trace import Tracer
 from periodic_async.trimodel import TriModel
 
@@ -41,9 +42,20 @@ class Consumer:
         if a.prompts_per_iteration % a.optimizer_steps_per_iteration:
             raise ValueError(f"algorithm.optimizer_steps_per_iteration={a.optimizer_steps_per_iteration} must divide "
                              f"algorithm.prompts_per_iteration={a.prompts_per_iteration}")
-        self.tri = TriModel(policy, a, logprob_kwargs={"backend": a.attention_backend})
+        # Mixed precision: a bf16/fp16 model trains on float32 master weights (converted here, in
+        # place: the caller's `policy` object) with its forwards under autocast; the engines
+        # keep the half dtype (`engine_state_dict`). A pure-bf16 AdamW would drop most updates.
+        self.model_dtype = resolve_dtype(cfg.model.dtype)
+        half = self.model_dtype in (torch.bfloat16, torch.float16)
+        if half:
+            policy.float()
+        # Score the tempered distribution the engines sample from (engine/batcher.py:sample_next).
+        self.tri = TriModel(policy, a, logprob_kwargs={"backend": a.attention_backend,
+                                                       "temperature": cfg.engine.temperature},
+                            autocast_dtype=self.model_dtype if half else None)
         self.optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=a.lr,
                                            weight_decay=a.weight_decay, betas=(0.9, 0.999))
+        self.scheduler = lr_scheduler(self.optimizer, a, cfg.trainer.iterations * a.optimizer_steps_per_iteration)
         self.tracer = tracer or Tracer(enabled=False)
         self.device = next(policy.parameters()).device
         self.dtype = next(policy.parameters()).dtype
@@ -74,6 +86,7 @@ class Consumer:
                     self._micro_step(mb, acc, iteration)
                 with self.tracer.span("optimizer_step", "trainer", iteration=iteration):
                     step_metrics.append(self.tri.optimizer_step(self.optimizer, acc))
+                    self.scheduler.step()
                 steps += 1
                 acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
             busy_s += time.time() - t0
@@ -90,8 +103,43 @@ class Consumer:
             inputs = mb.build(shared=self.cfg.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
             self.tri.micro_step(inputs, acc)
 
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights as the engines hold them: in `model.dtype` (half precision
+        when training mixed; the float32 masters stay here)."""
+        return {n: t.detach().to(self.model_dtype) for n, t in self.policy.state_dict().items()}
+
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        """Optimizer, lr-scheduler (and fp16 loss-scaler) state: what a resume needs besides the weights."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.tri.scaler is not None:
+            state["grad_scaler"] = self.tri.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        missing = [k for k in ("optimizer", "scheduler") if k not in state]
+        if missing:
+            raise KeyError(f"trainer state has no {missing} (a checkpoint from before lr schedules existed "
+                           "cannot resume its schedule; start a fresh run)")
         self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.tri.scaler is not None and "grad_scaler" in state:
+            self.tri.scaler.load_state_dict(state["grad_scaler"])
+
+
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+"""`algorithm.lr_scheduler` -> the name `transformers.get_scheduler` knows."""
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int):
+    """The learning-rate schedule of `cfg` (an `AlgorithmConfig`), counted in optimizer steps:
+    linear warm-up from 0 over `cfg.warmup_steps`, then constant, or linear / cosine decay to 0
+    at `total_steps` (trainer.iterations x optimizer_steps_per_iteration). Call `.step()` after
+    each optimizer step. As in HF Trainer, step 0 runs at lr 0 when warmup_steps > 0."""
+    from transformers import get_scheduler
+
+    if cfg.lr_scheduler != "constant" and 0 < total_steps <= cfg.warmup_steps:
+        raise ValueError(f"algorithm.warmup_steps={cfg.warmup_steps} leaves no decay: the run has only "
+                         f"{total_steps} optimizer steps (trainer.iterations x optimizer_steps_per_iteration) "
+                         f"for algorithm.lr_scheduler={cfg.lr_scheduler!r}")
+    return get_scheduler(SCHEDULES[cfg.lr_scheduler], optimizer, num_warmup_steps=cfg.warmup_steps,
+                         num_training_steps=max(total_steps, 1))

@@ -2,6 +2,7 @@
 causal LM from a local directory; device and dtype from config, nothing hard-codes CUDA.
 
 Presets (vocabulary from the tokenizer, ~512 for ours; parameter counts with that vocab):
+    qwen2-micro hidden 32, 2 layers   (~30K: fast tests, e.g. of bf16 on CPUs without bf16 units)
     qwen2-1m   hidden 128, 4 layers   (~0.9M)
     qwen2-5m   hidden 256, 6 layers   (~4.5M)
     qwen3-25m  hidden 512, 8 layers   (~24M, Qwen3 architecture with q/k norm)
@@ -17,6 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from periodic_async.config import ModelConfig
 
 PRESETS: dict[str, dict] = {
+    "qwen2-micro": dict(model_type="qwen2", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, intermediate_size=64),
     "qwen2-1m": dict(model_type="qwen2", hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=384),
     "qwen2-5m": dict(model_type="qwen2", hidden_size=256, num_hidden_layers=6, num_attention_heads=4,

@@ -19,10 +19,17 @@ Two shortcuts, both exact:
   forward: no dropout, which the HF Qwen presets do not have.)
 - beta == 0: no reference forward and no reference copy.
 
+Log-probs are those of the tempered distribution softmax(logits / engine.temperature), the one
+the engines report (`logprob_kwargs["temperature"]`; see `engine.batcher.sample_next`).
+Mixed precision (`autocast_dtype`): float32 parameters and optimizer state, forwards under
+`torch.autocast`, as HF Trainer / TRL do with bf16=True; a pure-bf16 parameter would lose
+most updates (an AdamW step of lr ~ 1e-5 is below half a bf16 ulp of a weight of 0.01).
+
 API (the consumer's iteration)::
 
     tri = TriModel(policy, cfg.algorithm,                 # cfg.algorithm: AlgorithmConfig
-                   logprob_kwargs={"backend": cfg.algorithm.attention_backend})  # optional
+                   logprob_kwargs={"backend": cfg.algorithm.attention_backend,  # optional
+                                   "temperature": cfg.engine.temperature})      # score what was sampled
     acc = LossAccumulator.from_config(cfg.algorithm, cfg.engine.max_tokens)
     for mb in micro_batches:                              # batching.MicroBatch, any order
         tri.micro_step(mb.build(shared=cfg.algorithm.shared_prompt, device=...), acc)
@@ -36,6 +43,7 @@ old_N, ref_N or None, entropy_N); `grpo.micro_batch_loss(...)` turns it into a l
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -81,10 +89,27 @@ class TriModel:
          eps_low, eps_high, max_grad_norm).
     logprob_kwargs: extra keyword arguments passed to `shared_prompt.token_logprobs` for all
          three models, e.g. {"backend": "split"}; none by default (token_logprobs' own default).
+    autocast_dtype: None (the forwards run in the parameters' dtype) or torch.bfloat16 /
+         torch.float16: mixed precision. The parameters (the optimizer's master weights, and
+         its state) must then be float32; the three forwards run under `torch.autocast` in
+         that dtype, the log-softmax in float32. float16 adds dynamic loss scaling
+         (`torch.amp.GradScaler`): its gradients would otherwise underflow.
     """
 
-    def __init__(self, policy: torch.nn.Module, cfg, logprob_kwargs: dict | None = None):
+    def __init__(self, policy: torch.nn.Module, cfg, logprob_kwargs: dict | None = None,
+                 autocast_dtype: torch.dtype | None = None):
         self.policy, self.cfg = policy, cfg
+        if autocast_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"TriModel: autocast_dtype={autocast_dtype}: expected None, bfloat16 or float16")
+        if autocast_dtype is not None and any(p.dtype != torch.float32 for p in policy.parameters()):
+            raise ValueError(f"TriModel: mixed precision ({autocast_dtype}) needs float32 master weights; "
+                             f"the policy has {next(policy.parameters()).dtype} parameters")
+        self.autocast_dtype = autocast_dtype
+        device_type = next(policy.parameters()).device.type
+        # Loss sums (not means) are backpropagated: per-token gradients are O(1), so start the
+        # scale at 2^8, not torch's 2^16 (which overflowed and skipped the first iterations).
+        self.scaler = (torch.amp.GradScaler(device_type, init_scale=2.0**8, growth_interval=100)
+                       if autocast_dtype == torch.float16 else None)
         self.logprob_kwargs = dict(logprob_kwargs or {})
         self.skip_old = bool(cfg.skip_old_forward) and cfg.optimizer_steps_per_iteration == 1
         self.old = None if self.skip_old else _frozen_copy(policy)
@@ -93,14 +118,20 @@ class TriModel:
     def forward(self, packed: PackedBatch, with_entropy: bool = True) -> TriLogprobs:
         """Log-probs of the three models on one packed micro-batch (same input, layout, device)."""
         kw = self.logprob_kwargs
-        if with_entropy:
-            policy_N, entropy_N = token_logprobs(self.policy, packed, with_entropy=True, **kw)
-        else:
-            policy_N, entropy_N = token_logprobs(self.policy, packed, **kw), None
-        with torch.no_grad():
-            old_N = policy_N.detach() if self.old is None else token_logprobs(self.old, packed, **kw)
-            ref_N = None if self.ref is None else token_logprobs(self.ref, packed, **kw)
+        with self._autocast():
+            if with_entropy:
+                policy_N, entropy_N = token_logprobs(self.policy, packed, with_entropy=True, **kw)
+            else:
+                policy_N, entropy_N = token_logprobs(self.policy, packed, **kw), None
+            with torch.no_grad():
+                old_N = policy_N.detach() if self.old is None else token_logprobs(self.old, packed, **kw)
+                ref_N = None if self.ref is None else token_logprobs(self.ref, packed, **kw)
         return TriLogprobs(policy_N, old_N, ref_N, entropy_N)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(next(self.policy.parameters()).device.type, dtype=self.autocast_dtype)
 
     def micro_step(self, inputs, acc: grpo.LossAccumulator, with_entropy: bool = True) -> dict[str, torch.Tensor]:
         """Forward the three models, backpropagate the micro-batch's un-normalised loss sum,
@@ -110,7 +141,7 @@ class TriModel:
                                  dtype=out.policy_N.dtype)
         loss_sum, sums = grpo.micro_batch_loss(out.policy_N, out.old_N, out.ref_N, inputs.advantages_N, w_N,
                                                self.cfg, out.entropy_N)
-        loss_sum.backward()
+        (loss_sum if self.scaler is None else self.scaler.scale(loss_sum)).backward()
         # Trainer vs engine log-probs of the sampled tokens (same weights): a layout or
         # alignment bug shows here first; ~1e-6 is fp noise between the two code paths.
         sums["behaviour_gap"] = (out.policy_N.detach() - inputs.behaviour_logp_N.to(out.policy_N.dtype)).abs().sum()
@@ -120,14 +151,25 @@ class TriModel:
     def optimizer_step(self, optimizer: torch.optim.Optimizer, acc: grpo.LossAccumulator) -> dict[str, float]:
         """End of an accumulation: divide the gradients by the normaliser once, clip to
         cfg.max_grad_norm (0: no clipping), step, zero the gradients. Does not refresh old:
-        call `refresh_old()` at the iteration barrier. Returns acc.metrics() + grad_norm."""
+        call `refresh_old()` at the iteration barrier. Returns acc.metrics() + grad_norm + lr
+        (the learning rate this step used). With float16 loss scaling, a step whose gradients
+        overflowed is skipped (and the scale lowered), as torch.amp does; `grad_scale` reports it."""
         params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)  # true gradients before normalising and clipping
         acc.finalize_gradients(params)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        optimizer.step()
+        lr = float(optimizer.param_groups[0]["lr"])
+        extra = {}
+        if self.scaler is None:
+            optimizer.step()
+        else:
+            extra["grad_scale"] = float(self.scaler.get_scale())
+            self.scaler.step(optimizer)
+            self.scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        return {**acc.metrics(), "grad_norm": float(grad_norm)}
+        return {**acc.metrics(), "grad_norm": float(grad_norm), "lr": lr, **extra}
 
     @torch.no_grad()
     def refresh_old(self) -> None:
