@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
+export WANDB_RUN_GROUP=engine_throughput   # the W&B group of this experiment's runs
 export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 RESULTS_DIR="${RESULTS_DIR:-results}"
 args=(--results-dir "$RESULTS_DIR")

@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
+export WANDB_RUN_GROUP=reward_curves   # the W&B group of this experiment's runs
 quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick model.name_or_path=artifacts/sft-quick)
 python experiments/reward_curves.py "${quick[@]}" --results "${RESULTS_DIR:-results}" "$@"

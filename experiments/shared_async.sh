@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
+export WANDB_RUN_GROUP=shared_async   # the W&B group of this experiment's runs
 quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick)
 python experiments/shared_async.py "${quick[@]}" --results "${RESULTS_DIR:-results}" "$@"

@@ -1,4 +1,4 @@
-"""Shared-prompt attention ablation (PAPER.md point 6): forward+backward speed of one group packed
+"""Shared-prompt attention ablation (the paper's shared-prompt attention): forward+backward speed of one group packed
 as [prompt | r_1 | ... | r_G] against the same group as G per-response rows.
 
 The paper claims ~8x on long prompts; the ceiling is the token ratio
@@ -180,6 +180,7 @@ def plot(csv_path: str | Path, png_path: str | Path) -> Path:
 def main(argv=None) -> None:
     from periodic_async.config import ModelConfig
     from periodic_async.model import build_model, resolve_device
+    from periodic_async.trace import log_experiment
     from periodic_async.tokenizer import ensure_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -214,6 +215,7 @@ def main(argv=None) -> None:
         w.writeheader()
         w.writerows(rows)
     png = plot(out, Path(args.figures_dir) / "shared_prompt.png")
+    log_experiment("shared_prompt_ablation", [out], [png])  # W&B (offline unless WANDB_MODE=online)
     print(f"wrote {out} and {png}")
     for r in rows:
         flag = "" if r["efficiency"] >= GOAL else f"  < goal {GOAL}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Shared-prompt attention ablation (PAPER.md point 6): fwd+bwd speedup of [prompt | r_1 | ... | r_G]
+# Shared-prompt attention ablation (the paper's shared-prompt attention): fwd+bwd speedup of [prompt | r_1 | ... | r_G]
 # over per-response rows, per attention back-end, against the token bound.
 #   bash experiments/shared_prompt_ablation.sh          # P in {512,1024}, G in {8,16}, R in {32,64,128}
 #   QUICK=1 bash experiments/shared_prompt_ablation.sh  # tiny grid, < 1 min
@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
+export WANDB_RUN_GROUP=shared_prompt_ablation   # the W&B group of this experiment's runs
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 RESULTS_DIR="${RESULTS_DIR:-results}"
 ARGS=(--results-dir "$RESULTS_DIR")

@@ -1,4 +1,4 @@
-"""What the unified tri-model costs (PAPER.md point 5): time of one micro-step and weight memory.
+"""What the unified tri-model costs (the paper's unified tri-model): time of one micro-step and weight memory.
 
 One micro-step of the streaming consumer runs the policy forward+backward and, on the same
 packed input, the old and reference forwards. This measures, side by side in one run
@@ -35,6 +35,7 @@ from periodic_async.group import Group
 from periodic_async.model import build_model, num_parameters
 from periodic_async.shared_prompt import token_logprobs
 from periodic_async.tokenizer import ensure_tokenizer
+from periodic_async.trace import log_experiment
 from periodic_async.trimodel import TriModel
 
 VARIANTS = {  # name: (beta, skip_old_forward, optimizer_steps_per_iteration)
@@ -129,6 +130,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['variant']:20s} {r['median_ms']:9.2f} ms  x{r['ratio_vs_policy_only']:.2f} time  "
               f"x{r['memory_ratio']:.0f} weights ({r['total_bytes'] / 2**20:.1f} MiB)")
+    log_experiment("trimodel_cost", [out])  # W&B (offline unless WANDB_MODE=online)
     print(f"wrote {out}")
 
 

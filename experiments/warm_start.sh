@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
+export WANDB_RUN_GROUP=warm_start   # the W&B group of this experiment's runs
 results="${RESULTS_DIR:-results}"
 out=artifacts/sft-qwen2-1m
 args=()

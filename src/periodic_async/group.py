@@ -2,7 +2,7 @@
 
 The producer builds a Group when the last of its G samples finishes; the consumer trains
 on it. `version` is the policy version that sampled every response: the consumer refuses
-a group whose version is not the current one (on-policy guarantee, PAPER.md point 3).
+a group whose version is not the current one (the paper's on-policy guarantee).
 Response token lists include the final eos token when the sample stopped on it.
 """
 

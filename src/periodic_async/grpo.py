@@ -8,7 +8,7 @@ Departures from textbook GRPO, on purpose:
 - `std` advantages use the unbiased group std (as TRL and verl do); a group whose rewards
   are all equal (including G = 1) gets exactly zero advantages, never NaN or eps noise.
 - The loss is a *sum* per micro-batch; the normaliser is applied once, to the gradients,
-  at the end of the iteration (PAPER.md point 4). The consumer does not know how many
+  at the end of the iteration (the paper's equivalence argument). The consumer does not know how many
   tokens the iteration has until its last group arrives.
 
 Invariant (tested in tests/test_grpo.py::test_microbatch_split_matches_full_batch): the

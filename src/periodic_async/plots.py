@@ -9,7 +9,7 @@ optimizer steps and weight syncs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from periodic_async.trace import read_jsonl
 
@@ -36,10 +36,12 @@ _TRAINER_COLORS = {"micro_step": "#4C72B0", "optimizer_step": "#C44E52", "weight
 
 
 def plot_timeline(runs: Sequence[tuple[str, str | Path]], out_path: str | Path, iterations: int | None = 2,
-                  max_slots: int = 16):
+                  max_slots: int = 16, bar_label: Callable[[dict], str] | None = None):
     """Draw one panel per (label, trace.jsonl) on a shared time axis; saves `out_path`.
 
     iterations: draw only the first N iterations after the first weight sync (None: all).
+    bar_label: text of a sample's bar from its event args (default: the prompt's dataset index;
+    `request_number` numbers the iteration's requests 1..B, as the paper's Figure 1 does).
     """
     plt = _pyplot()
 
@@ -67,13 +69,14 @@ def plot_timeline(runs: Sequence[tuple[str, str | Path]], out_path: str | Path, 
                 p = e["args"].get("prompt", 0)
                 ax.barh(y, e["dur"], left=x, height=0.8, color=cmap(p % 20), edgecolor="black", linewidth=0.3)
                 if e["dur"] > span / 60:
-                    ax.text(x + e["dur"] / 2, y, str(p), ha="center", va="center", fontsize=6)
+                    text = bar_label(e["args"]) if bar_label else str(p)
+                    ax.text(x + e["dur"] / 2, y, text, ha="center", va="center", fontsize=6)
             elif e["name"] in _TRAINER_COLORS:
                 ax.barh(y, max(e["dur"], span / 800), left=x, height=0.8, color=_TRAINER_COLORS[e["name"]])
         ax.set_yticks(list(rows.values()), list(rows.keys()), fontsize=7)
         ax.set_title(label, fontsize=10, loc="left")
         ax.set_xlim(0, span * 1.01)
-    axes[-1, 0].set_xlabel("seconds (bars on engine slots: one sample, labelled with its prompt index; trainer: "
+    axes[-1, 0].set_xlabel("seconds (bars on engine slots: one sample, labelled with its prompt; trainer: "
                            "micro-steps blue, optimizer step red, weight sync purple)", fontsize=8)
     fig.tight_layout()
     return _save(fig, out_path)
@@ -118,5 +121,37 @@ def plot_reward_curves(csv_path: str | Path, out_path: str | Path):
     axes[1].set(xlabel="iteration", ylabel="held-out accuracy (greedy)")
     for ax in axes:
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, out_path)
+
+
+def request_number(args: dict) -> str:
+    """Bar label for `plot_timeline`: the request's position in its iteration, 1..B (the paper's
+    Figure 1 numbering), from the request id `it<iteration>-p<prompt>-<position>`."""
+    return str(int(str(args["request"]).rsplit("-", 1)[1]) + 1)
+
+
+def plot_equivalence(csv_path: str | Path, out_path: str | Path):
+    """results/equivalence.csv: per iteration, the largest weight difference between the sync
+    and async runs (log scale; an exact 0 is drawn at the floor) and the fraction of samples
+    identical in both, for the method (one optimizer step) and the negative control."""
+    import csv
+
+    plt = _pyplot()
+
+    rows = list(csv.DictReader(Path(csv_path).open()))
+    floor = 1e-18
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for case, style in zip(dict.fromkeys(r["case"] for r in rows), ("o-", "s--", "^:")):
+        mine = [r for r in rows if r["case"] == case]
+        its = [int(r["iteration"]) for r in mine]
+        axes[0].plot(its, [max(float(r["max_abs_weight_diff"]), floor) for r in mine], style, label=case)
+        axes[1].plot(its, [float(r["identical_fraction"]) for r in mine], style, label=case)
+    axes[0].set_yscale("log")
+    axes[0].set(xlabel="iteration", ylabel="max |w_sync - w_async| after it", ylim=(floor / 10, None))
+    axes[1].set(xlabel="iteration", ylabel="samples identical to sync", ylim=(-0.05, 1.05))
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.set_xticks(sorted({int(r["iteration"]) for r in rows}))
     fig.tight_layout()
     return _save(fig, out_path)

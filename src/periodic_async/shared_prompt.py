@@ -1,4 +1,4 @@
-"""Shared-prompt packing and attention (PAPER.md point 6): one row [prompt | r_1 | ... | r_G] per group.
+"""Shared-prompt packing and attention (the paper's shared-prompt attention): one row [prompt | r_1 | ... | r_G] per group.
 
 Shape letters: T packed tokens, N response (label) tokens, S responses, H heads, d head size,
 D hidden size, V vocabulary.

@@ -1,4 +1,4 @@
-"""The unified tri-model (PAPER.md point 5): policy, old and reference log-probs in one micro-step.
+"""The unified tri-model (the paper's tri-model): policy, old and reference log-probs in one micro-step.
 
 A synchronous trainer computes old and ref log-probs in separate passes over the whole
 batch before training; a streaming consumer cannot, so the three models sit side by side

@@ -2,7 +2,7 @@
 
 A `Request` is one prompt asking for `n` samples (a GRPO group). An `Engine` streams back
 one `RequestOutput` per request as soon as its n samples are done, in completion order
-(PAPER.md point 2), tagged with the weights `version` that sampled every token. The trainer
+(the paper's producer), tagged with the weights `version` that sampled every token. The trainer
 pushes new weights with `update_weights` at the iteration barrier, never while a
 `generate` iterator is open, so no request ever mixes versions.
 
@@ -154,7 +154,7 @@ def assign_workers(requests: list[Request], num_workers: int) -> list[int]:
 
 def state_to_numpy(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
     """CPU numpy copies (name -> (array, torch dtype name)). numpy, not torch tensors, because
-    Ray's object store hands numpy arrays to readers zero-copy (FACTS.md). bf16/fp16 travel as
+    Ray's object store hands numpy arrays to readers zero-copy (measured: ~1 ms for 256 MiB, a torch tensor 0.4-1.1 s). bf16/fp16 travel as
     int16 bit patterns (numpy has no bfloat16)."""
     out = {}
     for name, t in state_dict.items():

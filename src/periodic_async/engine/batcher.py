@@ -3,7 +3,7 @@
 This is the scheduler every built-in engine runs (in-process `LocalEngine`, and one per Ray
 actor in `RayEngine`). Up to `max_num_seqs` samples decode together, one token each per
 step; when a sample finishes (eos, stop string or max_tokens) its slot takes the next
-waiting sample at the next step (PAPER.md Figure 1b).
+waiting sample at the next step (the paper's Figure 1b).
 
 KV cache: `SlotCache` owns one preallocated buffer per layer, K_SxHxLxD (S slots, H kv heads,
 L capacity, D head dim), and is a transformers `Cache` whose `update` writes each row's new

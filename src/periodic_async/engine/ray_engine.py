@@ -10,7 +10,7 @@ requests it still held: an actor that dies (Ray reports it on the stream, or on 
 ping sent after `PING_AFTER_S` of silence), raises, or stays silent for `timeout_s`.
 
 Weights: `ObjectStoreSync` puts one dict of numpy arrays in the object store (numpy is read
-zero-copy by the workers, torch tensors are not, see FACTS.md); each worker copies them into
+zero-copy by the workers, torch tensors are not: ~1 ms against 0.4-1.1 s for 256 MiB); each worker copies them into
 its model. Ray starts locally unless `engine_cfg.ray_address` names a cluster.
 """
 
