@@ -11,6 +11,10 @@ longest request; with W workers it is W processes of 1 thread, each on the reque
 dispatcher gives that worker. Our engine is `RayEngine` with W actors of 1 thread. Only
 generation is timed (models are loaded and warmed first); tok/s counts useful tokens.
 
+Protocol (periodic_async.bench): for each worker count the four systems (HF and ours, on each
+distribution) run interleaved for `--repeats` rounds (default 3; 1 with --quick); tok/s is the
+median with min and max, speedup the ratio of medians with the min/max of same-round ratios.
+
 Also measures `update_weights` (object-store sync to every worker) for each model preset.
 Writes $RESULTS_DIR/engine.csv and $RESULTS_DIR/weight_sync.csv.
 """
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import multiprocessing as mp
 import os
 import statistics
@@ -32,7 +35,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from periodic_async.config import DataConfig, EngineConfig, ModelConfig  # noqa: E402
+from periodic_async.bench import System, measure, write_csv  # noqa: E402
+from periodic_async.config import DataConfig, EngineConfig, ModelConfig, git_commit  # noqa: E402
 from periodic_async.data import make_synthetic, prompt_messages  # noqa: E402
 from periodic_async.engine import Request, SamplingParams, assign_workers  # noqa: E402
 from periodic_async.tokenizer import encode_chat, ensure_tokenizer  # noqa: E402
@@ -137,9 +141,11 @@ def weight_sync(models, tokenizer_dir, workers, repeats=3) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small model and workload (< 2 min)")
+    ap.add_argument("--repeats", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
     ap.add_argument("--results-dir", default=os.environ.get("RESULTS_DIR", "results"))
     ap.add_argument("--tokenizer", default="artifacts/tokenizer")
     args = ap.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
     model = "qwen2-1m" if args.quick else "qwen2-5m"
     n_prompts, group, max_num_seqs, uniform_tokens = (32, 4, 32, 64) if args.quick else (64, 4, 32, 96)
     tokenizer = ensure_tokenizer(args.tokenizer)
@@ -157,27 +163,37 @@ def main() -> None:
     workloads = {d: make_requests(tokenizer, n_prompts, group, d, uniform_tokens, seed=0)
                  for d in ("uniform", "long-tail")}
     for workers in (1, 2):
-        hf = {d: hf_throughput(model_cfg, reqs, workers, max_num_seqs) for d, reqs in workloads.items()}
-        engine = RayEngine(EngineConfig(backend="ray", num_workers=workers, threads_per_worker=1,
-                                        max_num_seqs=max_num_seqs), model_cfg)
+        engine_cfg = EngineConfig(backend="ray", num_workers=workers, threads_per_worker=1, max_num_seqs=max_num_seqs)
+        engine = RayEngine(engine_cfg, model_cfg)
+        workload = dict(n_prompts=n_prompts, group=group, uniform_tokens=uniform_tokens, seed=0)
+        systems = []
+        for d, reqs in workloads.items():
+            common = {"model": model, "distribution": d, "workers": workers, "max_num_seqs": max_num_seqs, **workload}
+            systems += [
+                System(f"hf/{d}", lambda reqs=reqs: {"tok_s": hf_throughput(model_cfg, reqs, workers, max_num_seqs)},
+                       {**common, "system": "hf-static-generate", "processes": workers, "threads": 1}),
+                System(f"engine/{d}", lambda reqs=reqs: {"tok_s": engine_throughput(engine, reqs)},
+                       {**common, "system": "ray-engine", "engine": vars(engine_cfg)}),
+            ]
         try:
-            for d, reqs in workloads.items():
-                ours = engine_throughput(engine, reqs)
-                rows.append(dict(distribution=d, workers=workers, engine_tok_s=round(ours, 1),
-                                 hf_tok_s=round(hf[d], 1), speedup=round(ours / hf[d], 3), model=model,
-                                 tokens=sum(r.n * r.params.max_tokens for r in reqs)))
-                print(rows[-1], flush=True)
+            res = measure(systems, repeats=repeats)
         finally:
             engine.close()
-    with open(out_dir / "engine.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+        for d, reqs in workloads.items():
+            ours, hf = res[f"engine/{d}"], res[f"hf/{d}"]
+            o, h, paired = ours.stats("tok_s"), hf.stats("tok_s"), ours.ratio(hf, "tok_s")
+            rows.append(dict(distribution=d, workers=workers, engine_tok_s=round(o.median, 1),
+                             hf_tok_s=round(h.median, 1), speedup=round(o.median / h.median, 3), model=model,
+                             tokens=sum(r.n * r.params.max_tokens for r in reqs),
+                             engine_tok_s_min=round(o.min, 1), engine_tok_s_max=round(o.max, 1),
+                             hf_tok_s_min=round(h.min, 1), hf_tok_s_max=round(h.max, 1),
+                             speedup_min=round(paired.min, 3), speedup_max=round(paired.max, 3),
+                             repeats=ours.repeats, git_commit=git_commit(), config_hash=ours.config_hash,
+                             hf_config_hash=hf.config_hash))
+            print(rows[-1], flush=True)
+    write_csv(out_dir / "engine.csv", rows)
     sync_rows = weight_sync(["qwen2-1m", "qwen2-5m", "qwen3-25m"], model_cfg.tokenizer, workers=2)
-    with open(out_dir / "weight_sync.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(sync_rows[0]))
-        w.writeheader()
-        w.writerows(sync_rows)
+    write_csv(out_dir / "weight_sync.csv", [{**r, "git_commit": git_commit()} for r in sync_rows])
     ray.shutdown()
     print(f"wrote {out_dir / 'engine.csv'} and {out_dir / 'weight_sync.csv'}")
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Engine throughput (continuous batching vs static HF generate) and weight-sync time.
-#   bash experiments/engine_throughput.sh            # full: qwen2-5m, ~5-8 min on 2 CPUs
+#   bash experiments/engine_throughput.sh            # full: qwen2-5m, 3 interleaved rounds, ~15-20 min on 2 CPUs
 #   QUICK=1 bash experiments/engine_throughput.sh    # qwen2-1m, < 2 min
 # Writes $RESULTS_DIR/engine.csv and $RESULTS_DIR/weight_sync.csv (RESULTS_DIR defaults to results).
 set -euo pipefail

@@ -1,0 +1,321 @@
+"""The paper's Table 2 at CPU scale: end-to-end trained tokens/s of TRL's GRPOTrainer (the
+mainstream framework a user here would otherwise pick) and of our three modes, each with and
+without shared-prompt packing, on one warm-started model, tokenizer, prompt set and reward.
+
+    bash experiments/table2_throughput.sh              # ~15 min on 2 cores; QUICK=1: ~2 min
+    python experiments/table2_throughput.py [--quick] [--results results] [--figures figures]
+                                            [--runs runs/table2] [section.key=value ...]
+
+What is the same for every system (experiments/table2_throughput.yaml): model, tokenizer,
+prompts (TRL is given our iteration order, unshuffled, so step t trains on our iteration t's
+B prompts), reward (correctness), B prompts per step, G samples each, max new tokens,
+temperature, lr, beta, clip range, token-mean loss over the whole batch (TRL's "dapo") and
+one optimizer step per generation batch (TRL: steps_per_generation = gradient accumulation,
+num_iterations = 1). Each system keeps its own best execution settings (micro-batch sizes,
+deployment), recorded in the CSV's `settings` column.
+
+Trained tokens = sum over samples of (P + R_i) in every system. TRL's come from its own log
+(`num_tokens`, cumulative); our reward wrapper recounts every TRL batch from the prompt and
+completion ids it sees, and the script asserts the two agree (results/table2_token_check.csv).
+tokens/s excludes the first iteration (TRL: the first optimizer step) of every run.
+
+The benchmark protocol is periodic_async.bench: systems interleaved, `bench.repeats` rounds,
+median with min and max; the speedup columns are ratios of medians, their _min/_max the
+paired ratios round by round. Also writes results/table2_batch_effect.csv (the effect of B on
+sync-separated vs periodic-async) and figures/table2_throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from periodic_async.bench import SharedEngines, System, flatten, measure, settings_dict, write_csv
+from periodic_async.config import RunConfig, load_config
+from periodic_async.data import few_shot_examples, iteration_prompts, load_examples, prompt_messages
+from periodic_async.engine.ray_engine import init_ray
+from periodic_async.model import PRESETS
+from periodic_async.pipeline import run
+from periodic_async.plots import plot_table2
+from periodic_async.reward import combined_reward, load_reward_fn
+from periodic_async.tokenizer import encode_chat, ensure_tokenizer
+
+HERE = Path(__file__).resolve().parent
+IGNORE = ("trainer.output_dir", "logging.")  # not settings of the measured system
+MODES = ["sync-colocated", "sync-separated", "periodic-async"]
+COLUMNS = ["setting", "system", "shared_prompt", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "repeats",
+           "devices", "speedup_vs_trl", "speedup_vs_sync_colocated", "paper_speedup", "git_commit", "config_hash",
+           "speedup_vs_trl_min", "speedup_vs_trl_max", "mean_prompt_tokens", "samples_per_iteration", "settings"]
+
+
+def load_plan(path: Path, quick: bool) -> dict:
+    """The YAML plan; with `quick`, its `quick` section merged over it (one level deep per section)."""
+    plan = yaml.safe_load(path.read_text())
+    if quick:
+        for section, over in plan.get("quick", {}).items():
+            if section == "run":
+                plan["run_quick"] = over
+            elif section == "settings":
+                for name, o in over.items():
+                    plan["settings"][name] = {**plan["settings"][name], **o}
+            else:
+                plan[section] = {**plan[section], **over}
+    return plan
+
+
+def as_overrides(tree: dict) -> list[str]:
+    """Nested or dotted mapping -> ['section.key=<json value>'] for `load_config`."""
+    return [f"{k}={json.dumps(v)}" for k, v in flatten(tree).items()]
+
+
+def run_config(plan: dict, setting: str, extra: list[str]) -> RunConfig:
+    over = as_overrides(plan["run"]) + as_overrides(plan.get("run_quick", {})) + as_overrides(plan["settings"][setting])
+    return load_config(RunConfig, None, over + extra)
+
+
+# --- TRL ------------------------------------------------------------------------------------
+
+def export_model(cfg: RunConfig, out: Path) -> Path:
+    """Model + tokenizer in one directory: TRL loads both by path (an in-memory model fails).
+    Written afresh by every invocation, so a rebuilt warm start is never read stale."""
+    from periodic_async.model import load_policy
+
+    policy, tokenizer = load_policy(cfg.model)
+    policy.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def trl_dataset(cfg: RunConfig, tokenizer) -> tuple[list[dict], dict[str, int]]:
+    """Our iterations' prompts in order (step t = our iteration t) and each prompt's token count."""
+    examples, shots = load_examples(cfg.data, "train"), few_shot_examples(cfg.data)
+    rows, prompt_len = [], {}
+    for it in range(cfg.trainer.iterations):
+        for _, ex in iteration_prompts(examples, it, cfg.algorithm.prompts_per_iteration, cfg.data.seed):
+            msgs = prompt_messages(ex, shots)
+            prompt_len[msgs[0]["content"]] = len(encode_chat(tokenizer, msgs))
+            rows.append({"prompt": msgs, "answer": ex.answer})
+    return rows, prompt_len
+
+
+def trl_micro_batch(cfg: RunConfig, trl: dict, prompt_len: dict[str, int]) -> int:
+    """TRL's per_device_train_batch_size: the largest divisor of B*G whose rows, padded to the
+    longest prompt + max new tokens (TRL pads to the batch's longest), fit trl.micro_batch_tokens."""
+    n = cfg.algorithm.prompts_per_iteration * cfg.algorithm.group_size
+    padded = max(prompt_len.values()) + cfg.engine.max_tokens
+    return max(d for d in range(1, n + 1) if n % d == 0 and (d == 1 or d * padded <= trl["micro_batch_tokens"]))
+
+
+def run_trl(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Path) -> dict:
+    """One TRL GRPOTrainer run of `cfg.trainer.iterations` optimizer steps; tokens/s from its
+    logged `num_tokens` over steps 2..N, and our recount of every batch (`token_check`)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    a, B, G = cfg.algorithm, cfg.algorithm.prompts_per_iteration, cfg.algorithm.group_size
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    rows, prompt_len = trl_dataset(cfg, tokenizer)  # counted before the clock starts
+    mb = trl_micro_batch(cfg, trl, prompt_len)
+    reward_fn = combined_reward([load_reward_fn(f) for f in cfg.reward.functions], cfg.reward.weights)
+    recount: list[int] = []  # ours: sum of P + R_i of each generation batch TRL scored
+
+    def reward(prompts, completions, completion_ids, answer, **kwargs):
+        recount.append(sum(prompt_len[p[0]["content"]] + len(c) for p, c in zip(prompts, completion_ids)))
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return reward_fn(prompts, texts, answer=answer)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.step_end, self.logged = [], []
+
+        def on_step_end(self, args, state, control, **kw):
+            self.step_end.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "num_tokens" in logs:
+                self.logged.append(int(logs["num_tokens"]))
+
+    steps = B * G // mb
+    args = GRPOConfig(
+        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, use_vllm=False, report_to="none",
+        save_strategy="no", logging_steps=1, disable_tqdm=True, seed=cfg.model.seed, data_seed=cfg.data.seed,
+        max_steps=cfg.trainer.iterations, shuffle_dataset=False, dataloader_num_workers=0,
+        num_generations=G, per_device_train_batch_size=mb, gradient_accumulation_steps=steps,
+        steps_per_generation=steps, num_iterations=1, max_completion_length=cfg.engine.max_tokens,
+        temperature=cfg.engine.temperature, top_p=cfg.engine.top_p, top_k=cfg.engine.top_k,
+        learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=a.weight_decay, beta=a.beta,
+        epsilon=a.eps_low, epsilon_high=a.eps_high, loss_type=trl["loss_type"],
+        scale_rewards="group" if a.advantage == "std" else "none", max_grad_norm=a.max_grad_norm,
+        gradient_checkpointing=False,  # TRL's default recomputes activations: memory is no issue here
+        model_init_kwargs={"dtype": cfg.model.dtype, "attn_implementation": cfg.model.attn_implementation})
+    clock = Clock()
+    torch.set_num_threads(trl["threads"])
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    logged, t = clock.logged, clock.step_end
+    if len(logged) != cfg.trainer.iterations or len(t) != cfg.trainer.iterations:
+        raise RuntimeError(f"TRL logged {len(logged)} num_tokens and {len(t)} steps, expected {cfg.trainer.iterations}")
+    per_step = [logged[0]] + [y - x for x, y in zip(logged, logged[1:])]
+    if per_step != recount:
+        raise AssertionError(f"TRL num_tokens per step {per_step} != our recount of the same batches {recount}")
+    seconds = t[-1] - t[0]  # steps 2..N: the first step (start-up) is excluded, as in our runs
+    return {"tokens_per_s": sum(per_step[1:]) / seconds, "devices": trl["threads"], "micro_batch": mb,
+            "mean_iteration_s": seconds / (len(t) - 1), "token_check": list(zip(per_step, recount))}
+
+
+# --- the experiment ---------------------------------------------------------------------------
+
+def pipeline_system(plan, setting, mode, shared, extra, runs: Path, engines: SharedEngines, name=None) -> System:
+    packing = "shared" if shared else "per-response"
+    name = name or f"{mode}/{packing}"
+    system = plan["systems"][mode]
+    over = as_overrides(system["overrides"]) + [
+        f"algorithm.shared_prompt={shared}", f"algorithm.micro_batch_tokens={system['micro_batch_tokens'][packing]}",
+        f"trainer.output_dir={runs / setting / name.replace('/', '-')}"]
+    cfg = run_config(plan, setting, over + extra)
+    return System(name, lambda: run(cfg, engine=engines.get(cfg)), cfg)
+
+
+def trl_system(plan, setting, extra, runs: Path, model_dir_of) -> System:
+    from periodic_async.tokenizer import load_tokenizer
+
+    cfg = run_config(plan, setting, extra)
+    out = runs / setting / "trl-grpo"
+    # What TRL shares with our systems, plus its own settings (no engine, no pipeline mode).
+    settings = settings_dict(cfg)
+    settings["engine"] = {k: settings["engine"][k] for k in ("max_tokens", "temperature", "top_p", "top_k")}
+    settings["pipeline"] = {"mode": "trl-grpo"}
+    settings["trainer"] = {"iterations": cfg.trainer.iterations, "threads": plan["trl"]["threads"]}
+    _, prompt_len = trl_dataset(cfg, load_tokenizer(cfg.model.tokenizer))
+    settings["trl"] = {**plan["trl"], "per_device_train_batch_size": trl_micro_batch(cfg, plan["trl"], prompt_len)}
+    return System("trl-grpo", lambda: run_trl(cfg, plan["trl"], model_dir_of(cfg), out), settings)
+
+
+def mean_prompt_tokens(cfg: RunConfig) -> float:
+    from periodic_async.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(cfg.model.tokenizer)
+    examples, shots = load_examples(cfg.data, "train"), few_shot_examples(cfg.data)
+    batch = iteration_prompts(examples, 0, cfg.algorithm.prompts_per_iteration, cfg.data.seed)
+    return sum(len(encode_chat(tok, prompt_messages(ex, shots))) for _, ex in batch) / len(batch)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--results", default=os.environ.get("RESULTS_DIR", "results"))
+    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap.add_argument("--runs", default="runs/table2")
+    ap.add_argument("--plan", default=str(HERE / "table2_throughput.yaml"))
+    ap.add_argument("overrides", nargs="*", help="section.key=value for every system (e.g. model.name_or_path=...)")
+    args = ap.parse_args(argv)
+    plan = load_plan(Path(args.plan), args.quick)
+    extra = list(args.overrides)
+    probe = run_config(plan, next(iter(plan["settings"])), extra)
+    model = probe.model.name_or_path
+    if model not in PRESETS and not (Path(model) / "config.json").is_file():
+        print(f"[table2] WARNING: {model} not found (build it with `bash experiments/warm_start.sh`); "
+              "falling back to the random qwen2-1m preset: the responses, and so the numbers, will differ")
+        extra.append("model.name_or_path=qwen2-1m")
+    ensure_tokenizer(probe.model.tokenizer)
+    runs = Path(args.runs)
+    bench = plan["bench"]
+    if probe.trainer.iterations < 2:
+        raise ValueError("trainer.iterations must be >= 2: the first iteration of every run is excluded")
+    init_ray(probe.engine)
+    engines = SharedEngines()
+    exported = {}
+
+    def model_dir_of(cfg):
+        key = cfg.model.name_or_path
+        if key not in exported:
+            exported[key] = export_model(cfg, runs / "trl-model" / Path(key).name)
+        return exported[key]
+
+    rows, checks, batch_rows = [], [], []
+    try:
+        for setting in plan["settings"]:
+            systems = [trl_system(plan, setting, extra, runs, model_dir_of)]
+            systems += [pipeline_system(plan, setting, m, s, extra, runs, engines) for m in MODES for s in (False, True)]
+            res = measure(systems, repeats=bench["repeats"], warmup_rounds=bench["warmup_rounds"], ignore_settings=IGNORE)
+            cfg0 = systems[1].settings
+            p_mean = round(mean_prompt_tokens(cfg0), 1)
+            trl = res["trl-grpo"]
+            for r in trl.runs:
+                checks += [{"setting": setting, "step": i + 1, "trl_num_tokens": a, "ours": b, "equal": a == b}
+                           for i, (a, b) in enumerate(r["token_check"])]
+            for name, r in res.items():
+                mode, _, packing = name.partition("/")
+                shared = packing == "shared"
+                colocated = res.get(f"sync-colocated/{packing}") if packing else None
+                vs_trl = r.ratio(trl)
+                rows.append({
+                    "setting": setting, "system": mode, "shared_prompt": shared, **r.row(["tokens_per_s"], 1),
+                    "devices": r.runs[0]["devices"],
+                    "speedup_vs_trl": round(r.stats("tokens_per_s").median / trl.stats("tokens_per_s").median, 3),
+                    "speedup_vs_sync_colocated": round(r.stats("tokens_per_s").median /
+                                                       colocated.stats("tokens_per_s").median, 3) if colocated else "",
+                    "paper_speedup": plan["paper_speedup"] if name == "periodic-async/shared" else "",
+                    **r.provenance(), "speedup_vs_trl_min": round(vs_trl.min, 3),
+                    "speedup_vs_trl_max": round(vs_trl.max, 3), "mean_prompt_tokens": p_mean,
+                    "samples_per_iteration": cfg0.algorithm.prompts_per_iteration * cfg0.algorithm.group_size})
+            write_csv(Path(args.results) / "table2_throughput.csv", rows, COLUMNS)  # after each setting
+        batch_rows = batch_effect(plan, extra, runs, engines)
+    finally:
+        engines.close()
+    out = Path(args.results)
+    write_csv(out / "table2_throughput.csv", rows, COLUMNS)
+    write_csv(out / "table2_token_check.csv", checks)
+    write_csv(out / "table2_batch_effect.csv", batch_rows)
+    assert all(c["equal"] for c in checks), "TRL's token counts disagree with ours"
+    fig = plot_table2(out / "table2_throughput.csv", Path(args.figures) / "table2_throughput.png",
+                      out / "table2_batch_effect.csv")
+    for r in rows:
+        print({k: r[k] for k in ("setting", "system", "shared_prompt", "tokens_per_s", "speedup_vs_trl",
+                                 "speedup_vs_trl_min", "speedup_vs_trl_max", "speedup_vs_sync_colocated")})
+    print(f"[table2] wrote {out}/table2_throughput.csv, table2_batch_effect.csv, table2_token_check.csv, {fig}")
+    return rows
+
+
+def batch_effect(plan, extra, runs: Path, engines: SharedEngines) -> list[dict]:
+    """sync-separated vs periodic-async at several B (same G, engine slots): periodic asynchrony
+    overlaps only within an iteration, so it needs B*G well above the engines' slots."""
+    be, bench = plan["batch_effect"], plan["bench"]
+    setting, shared = be["setting"], be["shared_prompt"]
+    systems = []
+    for b in be["prompts_per_iteration"]:
+        for mode in be["systems"]:
+            systems.append(pipeline_system(plan, setting, mode, shared, extra + [f"algorithm.prompts_per_iteration={b}"],
+                                           runs / "batch_effect", engines, name=f"{mode}/B{b}"))
+    res = measure(systems, repeats=bench["repeats"], warmup_rounds=bench["warmup_rounds"], ignore_settings=IGNORE)
+    rows = []
+    for name, r in res.items():
+        mode, _, b = name.partition("/B")
+        cfg = r.settings
+        base = res[f"{be['systems'][0]}/B{b}"]
+        ratio = r.ratio(base)
+        rows.append({"setting": setting, "system": mode, "shared_prompt": shared, "prompts_per_iteration": int(b),
+                     "group_size": cfg.algorithm.group_size,
+                     "samples_per_iteration": int(b) * cfg.algorithm.group_size,
+                     "engine_slots": cfg.engine.num_workers * cfg.engine.max_num_seqs,
+                     **r.row(["tokens_per_s"], 1),
+                     f"speedup_vs_{be['systems'][0].replace('-', '_')}": round(r.stats("tokens_per_s").median /
+                                                             base.stats("tokens_per_s").median, 3),
+                     "speedup_min": round(ratio.min, 3), "speedup_max": round(ratio.max, 3),
+                     "mean_generate_s": round(r.stats("mean_generate_s").median, 3),
+                     "mean_train_s": round(r.stats("mean_train_s").median, 3), **r.provenance()})
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)

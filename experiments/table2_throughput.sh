@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The paper's Table 2 at CPU scale: end-to-end trained tokens/s of TRL's GRPOTrainer and of our
+# three modes, with and without shared prompts (see table2_throughput.py and .yaml).
+#   bash experiments/table2_throughput.sh          ~15 min on 2 cores
+#   QUICK=1 bash experiments/table2_throughput.sh  ~2 min smoke run; RESULTS_DIR (default results)
+# Installs TRL (the optional extra `.[bench]`) into .venv when it is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup_env.sh
+export WANDB_RUN_GROUP=table2_throughput   # the W&B group of this experiment's runs
+python -c "import trl" 2>/dev/null || python -m pip install -q -e ".[bench]"
+quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick)
+if [ ! -f artifacts/sft-qwen2-1m/config.json ] && [ "${QUICK:-0}" = 0 ]; then
+  echo "[table2] no warm start in artifacts/sft-qwen2-1m: run 'bash experiments/warm_start.sh' first for the committed numbers"
+fi
+python experiments/table2_throughput.py "${quick[@]}" --results "${RESULTS_DIR:-results}" "$@"
