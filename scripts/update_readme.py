@@ -8,7 +8,7 @@ import csv
 import re
 from pathlib import Path
 
-SOURCES = {  # marker -> (csv file, script that writes it, one-line caption)
+SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, columns shown])
     "sft": ("sft.csv", "experiments/warm_start.sh", "Warm start (supervised) of the RL base policy."),
     "fig1_timeline": ("fig1_timeline.csv", "experiments/fig1_timeline.sh",
                       "The paper's Figure 1 from real runs (figures/fig1_timeline.png): per iteration, seconds from "
@@ -20,26 +20,51 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption)
                     "control (2 optimizer steps per iteration)."),
     "async_speedup": ("async_speedup.csv", "experiments/async_speedup.sh",
                       "Asynchrony alone; goals: periodic-async >= 1.8x and >= 0.9 x bound over sync-separated, "
-                      ">= 1.4x over sync-colocated (paper: 1.92x, bound 2x)."),
+                      ">= 1.4x over sync-colocated (paper: 1.92x, bound 2x). Medians of interleaved rounds, min-max.",
+                      ["mode", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_sync_separated",
+                       "speedup_min", "speedup_max", "bound", "efficiency", "efficiency_min", "efficiency_max",
+                       "bound_overlapped", "speedup_vs_sync_colocated", "repeats"]),
     "shared_async": ("shared_async.csv", "experiments/shared_async.sh",
                      "Shared-prompt attention x asynchrony on 4-shot prompts; speedups against per-response "
-                     "sync-separated; `product` = shared-only x async-only (paper: ~8x and ~2x, multiplicative)."),
+                     "sync-separated; `product` = shared-only x async-only (paper: ~8x and ~2x, multiplicative).",
+                     ["shared_prompt", "mode", "tokens_per_s", "speedup", "speedup_min", "speedup_max",
+                      "mean_generate_s", "mean_train_s", "mean_prompt_tokens", "repeats"]),
     "reward_curves": ("reward_curves_summary.csv", "experiments/reward_curves.sh",
                       "Held-out accuracy after RL from the warm start, sync vs async from one seed "
                       "(curves: figures/reward_curves.png)."),
     "shared_prompt": ("shared_prompt.csv", "experiments/shared_prompt_ablation.sh",
                       "Shared-prompt vs per-response packing, forward+backward tokens/s; goal efficiency >= 0.85."),
     "engine": ("engine.csv", "experiments/engine_throughput.sh",
-               "Continuous-batching engine vs HF static-batch generate; goals >= 1.3 long-tail, >= 1.0 uniform."),
+               "Continuous-batching engine vs HF static-batch generate; goals >= 1.3 long-tail, >= 1.0 uniform.",
+               ["distribution", "workers", "engine_tok_s", "hf_tok_s", "speedup", "speedup_min", "speedup_max", "model",
+                "tokens", "repeats"]),
     "trimodel_cost": ("trimodel_cost.csv", "experiments/trimodel_cost.sh",
                       "Tri-model micro-step cost against a policy-only forward/backward."),
+    "table2_throughput": ("table2_throughput.csv", "experiments/table2_throughput.sh",
+                          "Table 2: end-to-end trained tokens/s (median of interleaved rounds, min-max), speedups "
+                          "over TRL's GRPOTrainer and over sync-colocated with the same packing; goals: "
+                          "periodic-async + shared prompt >= 10x trl-grpo on long-prompt, >= 2x on short-prompt "
+                          "(paper: 3-5x over verl / MindSpeed-RL). Settings and config hash per row in the CSV.",
+                          ["setting", "system", "shared_prompt", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
+                           "speedup_vs_trl", "speedup_vs_trl_min", "speedup_vs_trl_max", "speedup_vs_sync_colocated",
+                           "paper_speedup", "devices", "repeats", "mean_prompt_tokens", "samples_per_iteration"]),
+    "table2_batch_effect": ("table2_batch_effect.csv", "experiments/table2_throughput.sh",
+                            "The effect of B: sync-separated vs periodic-async as the batch grows past the "
+                            "engine's slots (shared prompt).",
+                            ["setting", "system", "prompts_per_iteration", "samples_per_iteration", "engine_slots",
+                             "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_sync_separated",
+                             "speedup_min", "speedup_max", "mean_generate_s", "mean_train_s", "repeats"]),
 }
 
 
-def table(path: Path) -> str:
+def table(path: Path, columns: list[str] | None = None) -> str:
+    """The CSV as a markdown table; `columns` picks (and orders) the columns shown."""
     with path.open() as f:
         rows = list(csv.reader(f))
     head, body = rows[0], rows[1:]
+    if columns:
+        keep = [head.index(c) for c in columns if c in head]
+        head, body = [head[i] for i in keep], [[r[i] for i in keep] for r in body]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(lines)
@@ -184,9 +209,9 @@ def main() -> None:
     args = ap.parse_args()
     readme = Path(args.readme)
     text = readme.read_text()
-    for name, (file, script, caption) in SOURCES.items():
+    for name, (file, script, caption, *columns) in SOURCES.items():
         path = Path(args.results) / file
-        body = (f"{caption} `{path}`, written by `bash {script}`:\n\n{table(path)}" if path.is_file()
+        body = (f"{caption} `{path}`, written by `bash {script}`:\n\n{table(path, *columns)}" if path.is_file()
                 else f"_`{path}` not produced yet: run `bash {script}`._")
         text = re.sub(rf"<!-- results:{name} -->.*?<!-- /results:{name} -->",
                       lambda _: f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->", text, flags=re.S)

@@ -91,7 +91,12 @@ def plot_async_speedup(csv_path: str | Path, out_path: str | Path):
     rows = list(csv.DictReader(Path(csv_path).open()))
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     speedups = [float(r["speedup_vs_sync_separated"]) for r in rows]
-    ax.bar([r["mode"] for r in rows], speedups, color=["#999999", "#C44E52", "#4C72B0"][: len(rows)])
+    err = None
+    if "speedup_min" in rows[0]:  # min-max of the paired (same-round) speedups
+        err = [[max(v - float(r["speedup_min"]), 0) for v, r in zip(speedups, rows)],
+               [max(float(r["speedup_max"]) - v, 0) for v, r in zip(speedups, rows)]]
+    ax.bar([r["mode"] for r in rows], speedups, color=["#999999", "#C44E52", "#4C72B0"][: len(rows)], yerr=err,
+           capsize=3)
     ax.axhline(float(rows[0]["bound"]), ls="--", color="black", lw=1,
                label=f"bound (T_gen+T_train)/max = {float(rows[0]['bound']):.2f}")
     for i, v in enumerate(speedups):
@@ -121,6 +126,94 @@ def plot_reward_curves(csv_path: str | Path, out_path: str | Path):
     axes[1].set(xlabel="iteration", ylabel="held-out accuracy (greedy)")
     for ax in axes:
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, out_path)
+
+
+def request_number(args: dict) -> str:
+    """Bar label for `plot_timeline`: the request's position in its iteration, 1..B (the paper's
+    Figure 1 numbering), from the request id `it<iteration>-p<prompt>-<position>`."""
+    return str(int(str(args["request"]).rsplit("-", 1)[1]) + 1)
+
+
+def plot_equivalence(csv_path: str | Path, out_path: str | Path):
+    """results/equivalence.csv: per iteration, the largest weight difference between the sync
+    and async runs (log scale; an exact 0 is drawn at the floor) and the fraction of samples
+    identical in both, for the method (one optimizer step) and the negative control."""
+    import csv
+
+    plt = _pyplot()
+
+    rows = list(csv.DictReader(Path(csv_path).open()))
+    floor = 1e-18
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for case, style in zip(dict.fromkeys(r["case"] for r in rows), ("o-", "s--", "^:")):
+        mine = [r for r in rows if r["case"] == case]
+        its = [int(r["iteration"]) for r in mine]
+        axes[0].plot(its, [max(float(r["max_abs_weight_diff"]), floor) for r in mine], style, label=case)
+        axes[1].plot(its, [float(r["identical_fraction"]) for r in mine], style, label=case)
+    axes[0].set_yscale("log")
+    axes[0].set(xlabel="iteration", ylabel="max |w_sync - w_async| after it", ylim=(floor / 10, None))
+    axes[1].set(xlabel="iteration", ylabel="samples identical to sync", ylim=(-0.05, 1.05))
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.set_xticks(sorted({int(r["iteration"]) for r in rows}))
+    fig.tight_layout()
+    return _save(fig, out_path)
+
+
+def plot_table2(csv_path: str | Path, out_path: str | Path, batch_csv: str | Path | None = None):
+    """Table 2 (results/table2_throughput.csv): tokens/s over trl-grpo per system, one panel per
+    setting, per-response and shared-prompt side by side, min-max of the paired ratios as error
+    bars; with `batch_csv` (results/table2_batch_effect.csv) a last panel: tokens/s against B."""
+    import csv
+
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter
+
+    plt = _pyplot()
+
+    rows = list(csv.DictReader(Path(csv_path).open()))
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    batch = list(csv.DictReader(Path(batch_csv).open())) if batch_csv and Path(batch_csv).is_file() else []
+    panels = len(settings) + (1 if batch else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.6), squeeze=False)
+    colors = {"False": "#8DA0CB", "True": "#C44E52"}
+    for ax, setting in zip(axes[0], settings):
+        mine = [r for r in rows if r["setting"] == setting]
+        systems = list(dict.fromkeys(r["system"] for r in mine))
+        for r in mine:
+            x = systems.index(r["system"]) + (0.2 if r["shared_prompt"] == "True" else -0.2) * (r["system"] != "trl-grpo")
+            v, lo, hi = (float(r[k]) for k in ("speedup_vs_trl", "speedup_vs_trl_min", "speedup_vs_trl_max"))
+            ax.bar(x, v, width=0.38, color="#999999" if r["system"] == "trl-grpo" else colors[r["shared_prompt"]],
+                   yerr=[[max(v - lo, 0)], [max(hi - v, 0)]], capsize=2, ecolor="black")
+            ax.text(x, v, f"{v:.1f}x", ha="center", va="bottom", fontsize=7)
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}x" if str(v)[0] in "25" else ""))
+        ax.tick_params(axis="y", which="both", labelsize=7)
+        ax.set_xticks(range(len(systems)), systems, rotation=20, fontsize=8)
+        ax.set_ylabel("trained tokens/s vs trl-grpo")
+        ax.set_title(f"{setting} (P~{float(mine[0]['mean_prompt_tokens']):.0f}, B*G={mine[0]['samples_per_iteration']})",
+                     fontsize=9, loc="left")
+    axes[0, 0].legend(handles=[Patch(color=colors["False"], label="per-response packing"),
+                               Patch(color=colors["True"], label="shared-prompt packing")], fontsize=7, loc="upper left")
+    if batch:
+        ax = axes[0, -1]
+        for system, style in zip(dict.fromkeys(r["system"] for r in batch), ("o--", "s-", "^:")):
+            mine = [r for r in batch if r["system"] == system]
+            x = [int(r["samples_per_iteration"]) for r in mine]
+            y = [float(r["tokens_per_s"]) for r in mine]
+            err = [[yy - float(r["tokens_per_s_min"]) for yy, r in zip(y, mine)],
+                   [float(r["tokens_per_s_max"]) - yy for yy, r in zip(y, mine)]]
+            ax.errorbar(x, y, yerr=err, fmt=style, capsize=2, label=system)
+        ax.axvline(int(batch[0]["engine_slots"]), color="gray", lw=1, ls=":", label="engine slots")
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set(xlabel="samples per iteration (B*G)", ylabel="trained tokens/s")
+        ax.set_title(f"effect of B ({batch[0]['setting']}, shared prompt)", fontsize=9, loc="left")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, out_path)
 
