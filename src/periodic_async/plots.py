@@ -216,35 +216,3 @@ def plot_table2(csv_path: str | Path, out_path: str | Path, batch_csv: str | Pat
         ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, out_path)
-
-
-def request_number(args: dict) -> str:
-    """Bar label for `plot_timeline`: the request's position in its iteration, 1..B (the paper's
-    Figure 1 numbering), from the request id `it<iteration>-p<prompt>-<position>`."""
-    return str(int(str(args["request"]).rsplit("-", 1)[1]) + 1)
-
-
-def plot_equivalence(csv_path: str | Path, out_path: str | Path):
-    """results/equivalence.csv: per iteration, the largest weight difference between the sync
-    and async runs (log scale; an exact 0 is drawn at the floor) and the fraction of samples
-    identical in both, for the method (one optimizer step) and the negative control."""
-    import csv
-
-    plt = _pyplot()
-
-    rows = list(csv.DictReader(Path(csv_path).open()))
-    floor = 1e-18
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for case, style in zip(dict.fromkeys(r["case"] for r in rows), ("o-", "s--", "^:")):
-        mine = [r for r in rows if r["case"] == case]
-        its = [int(r["iteration"]) for r in mine]
-        axes[0].plot(its, [max(float(r["max_abs_weight_diff"]), floor) for r in mine], style, label=case)
-        axes[1].plot(its, [float(r["identical_fraction"]) for r in mine], style, label=case)
-    axes[0].set_yscale("log")
-    axes[0].set(xlabel="iteration", ylabel="max |w_sync - w_async| after it", ylim=(floor / 10, None))
-    axes[1].set(xlabel="iteration", ylabel="samples identical to sync", ylim=(-0.05, 1.05))
-    for ax in axes:
-        ax.legend(fontsize=8)
-        ax.set_xticks(sorted({int(r["iteration"]) for r in rows}))
-    fig.tight_layout()
-    return _save(fig, out_path)
