@@ -28,12 +28,7 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 from periodic_async.config import RunConfig, load_config
-from periodic_async.engine import make_engine
-from periodic_async.model import PRESETS, load_policy
-from periodic_async.pipeline import run
 from periodic_async.plots import plot_equivalence
 from periodic_async.trace import log_experiment, read_jsonl
 
@@ -44,13 +39,14 @@ COLUMNS = ["case", "iteration", "samples", "identical_samples", "identical_fract
            "max_abs_weight_change", "trained_in_other_order"]
 
 
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+def _weights(run_dir: Path) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint", dtype=torch.float64).state_dict()
 
 
-def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
@@ -67,6 +63,10 @@ def compare_iteration(sync_rows: list[dict], async_rows: list[dict]) -> dict:
 
 
 def run_case(case: str, overrides: list[str], backend: str, runs: Path) -> list[dict]:
+    from periodic_async.engine import make_engine  # here: the tests import this module's helpers only
+    from periodic_async.model import load_policy
+    from periodic_async.pipeline import run
+
     cfgs = {m: load_config(RunConfig, HERE / "equivalence.yaml", overrides + [
         f"pipeline.mode={m}", f"trainer.output_dir={runs}/{case}/{m}", "trainer.resume=auto"]) for m in MODES}
     iterations = cfgs[MODES[0]].trainer.iterations
@@ -97,9 +97,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     extra = (["trainer.iterations=3"] if args.quick else []) + ["logging.wandb_group=equivalence"] + args.overrides
+    from periodic_async.model import PRESETS
+
     model = load_config(RunConfig, HERE / "equivalence.yaml", extra).model.name_or_path
     if model not in PRESETS and not Path(model).is_dir():
         raise SystemExit(f"{model} not found: run `bash experiments/warm_start.sh` first (or pass model.name_or_path=...)")
+    if Path(model).is_dir():  # one frozen copy: every run (and resume) starts from the same weights
+        frozen = Path(args.runs) / "base_model"
+        shutil.rmtree(frozen, ignore_errors=True)
+        shutil.copytree(model, frozen, ignore=shutil.ignore_patterns("wandb", "*.jsonl"))
+        extra.append(f"model.name_or_path={frozen}")
     rows = []
     for case, (overrides, backend) in CASES.items():
         rows += run_case(case, extra + overrides, backend, Path(args.runs))

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Supervised warm start of the RL base policy: tokenizer, SFT, held-out accuracy.
+# Warm start (SFT) of the RL policy; accuracy. 
 #   bash experiments/warm_start.sh       QUICK=1 (shorter); RESULTS_DIR (default results)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
-export WANDB_RUN_GROUP=warm_start   # the W&B group of this experiment's runs
+export WANDB_RUN_GROUP=warm_start
 results="${RESULTS_DIR:-results}"
 out=artifacts/sft-qwen2-1m
 args=()
@@ -19,3 +19,5 @@ with open(sys.argv[2], "w", newline="") as f:
     w = csv.writer(f); w.writerow(keys); w.writerow([summary[k] for k in keys])
 print(f"wrote {sys.argv[2]}")
 PY
+python -c "import sys; from periodic_async.trace import log_experiment; log_experiment('warm_start', sys.argv[1:])" \
+  "$results/sft.csv"   # W&B summary run (offline unless WANDB_MODE=online)
