@@ -81,3 +81,60 @@ def test_math_reward_uses_symbolic_equivalence_when_available():
     from periodic_async.reward import math_reward
 
     assert math_reward(None, comps, answer=["0.5", "2", "2"]) == [1.0, 1.0, 0.0]
+
+
+def test_math_reward_in_thread():
+    """Off the main thread (where rewards run: the producer thread) math_reward still uses
+    math-verify's symbolic equivalence: answers only it accepts score 1, a wrong one 0, and no
+    comparison failed or timed out (before, math-verify's signal timeout raised off the main
+    thread and the failure was swallowed: every score below was 0)."""
+    pytest.importorskip("math_verify")
+    import threading
+
+    from periodic_async.reward import math_reward, math_verify_stats
+
+    comps = ["so \\boxed{\\frac{1}{2}}", "#### 0.5", "\\boxed{\\frac{1}{3}}", "\\boxed{2\\sqrt{2}}"]
+    answers = ["0.5", "\\frac{1}{2}", "0.5", "\\sqrt{8}"]
+    assert correctness_reward(None, comps, answer=answers) == [0.0, 0.0, 0.0, 0.0]
+    before = math_verify_stats()
+    out = []
+    t = threading.Thread(target=lambda: out.append(math_reward(None, comps, answer=answers)))
+    t.start()
+    t.join(timeout=120)
+    assert out == [[1.0, 1.0, 0.0, 1.0]]
+    after = math_verify_stats()
+    assert after["calls"] - before["calls"] == 4 and after["equal"] - before["equal"] == 3
+    assert after["errors"] == before["errors"] and after["timeouts"] == before["timeouts"]
+
+
+def test_bounded_worker_kills_a_call_that_overruns():
+    """The worker that runs math-verify enforces its timeout from any thread: a call that runs
+    too long raises TimeoutError within about its budget (the worker is killed), the next call
+    gets a fresh worker, and an exception in the worker comes back as WorkerError."""
+    import threading
+    import time
+
+    from periodic_async.reward import BoundedWorker, WorkerError
+
+    worker = BoundedWorker()
+    seen = {}
+
+    def body():
+        t0 = time.time()
+        try:
+            worker.call("time:sleep", 60, timeout_s=1.0)
+        except TimeoutError:
+            seen["timeout_after_s"] = time.time() - t0
+        seen["sum"] = worker.call("operator:add", 2, 3, timeout_s=60)
+        try:
+            worker.call("math:sqrt", -1, timeout_s=60)
+        except WorkerError as e:
+            seen["error"] = str(e)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(timeout=180)
+    worker.close()
+    assert 1.0 <= seen["timeout_after_s"] < 10
+    assert seen["sum"] == 5
+    assert seen["error"].startswith("ValueError")

@@ -8,9 +8,17 @@ Extraction order: the last '#### N', else the last '\\boxed{...}', else the last
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
+import json
+import logging
+import os
+import queue
 import re
+import subprocess
+import sys
+import threading
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Sequence
@@ -85,15 +93,170 @@ def answers_match(pred: str | None, truth: str) -> bool:
     return pred == t
 
 
-def _math_verify(pred_text: str, truth: str) -> bool | None:
+# --- math-verify, off the main thread, with a hard timeout ------------------------------------
+#
+# Rewards are computed in the producer *thread*. math-verify bounds its sympy work with
+# signal.alarm, which only works in the main thread (elsewhere it raises, and math-verify's
+# own error handling then returns "not equal": a silent fallback to string matching). So we
+# switch its signal timeouts off and run it in a worker process instead: a call that exceeds
+# MATH_VERIFY_TIMEOUT_S kills the worker (a fresh one starts on the next call), so a
+# pathological expression cannot hang the run. Errors and timeouts score 0, are counted
+# (`math_verify_stats()`) and logged, never swallowed.
+
+MATH_VERIFY_TIMEOUT_S = 5.0
+"""Wall-clock bound of one math-verify comparison (parse both answers, verify)."""
+
+logger = logging.getLogger(__name__)
+
+
+def verify_math(pred_text: str, truth: str) -> bool:
+    """math-verify's equivalence with its signal-based timeouts disabled (any thread, no bound:
+    call it through a `BoundedWorker`). Raises on math-verify errors."""
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": we bound it ourselves
+    gold = parse(f"${truth}$", parsing_timeout=None, raise_on_error=True)
+    pred = parse(pred_text, parsing_timeout=None, raise_on_error=True)
+    return bool(verify(gold, pred, timeout_seconds=None, raise_on_error=True))
+
+
+def _worker_main(preload: str) -> None:
+    """The worker process: JSON lines in ({"fn": "module:function", "args": [...]}), JSON lines out."""
+    import json
+    import sys
+
+    out = sys.stdout
+    sys.stdout = sys.stderr  # stray prints of called code must not corrupt the protocol
+    if preload:
+        importlib.import_module(preload)
+    out.write('{"ready": true}\n')
+    out.flush()
+    for line in sys.stdin:
+        msg = json.loads(line)
+        module, name = msg["fn"].split(":")
+        try:
+            reply = {"result": getattr(importlib.import_module(module), name)(*msg["args"])}
+        except Exception as e:  # reported to the caller, which counts and logs it
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    """Reader thread: the worker's output lines onto a queue (None at its end), so the caller
+    can wait for a reply with a timeout."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+class WorkerError(RuntimeError):
+    """The function raised in the worker (its type and message are in the text)."""
+
+
+class BoundedWorker:
+    """One worker process that runs 'module:function' calls (JSON arguments and result) with a
+    wall-clock timeout; on a timeout the worker is killed and the next call starts a new one.
+    A plain subprocess (`python -c`), so it works from any thread and whatever the main script.
+    Calls are serialised: a timeout measures the call itself, not a queue."""
+
+    def __init__(self, preload: str = "", start_timeout_s: float = 120.0):
+        self.preload, self.start_timeout_s = preload, start_timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._lines: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    def _start(self) -> None:
+        src = str(Path(__file__).resolve().parents[1])  # this package importable in the child
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+        code = f"from periodic_async.reward import _worker_main; _worker_main({self.preload!r})"
+        self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True, bufsize=1, env=env)
+        self._lines = queue.Queue()
+        threading.Thread(target=_pump, args=(self._proc.stdout, self._lines), daemon=True,
+                         name="bounded-worker-reader").start()
+        self._read(self.start_timeout_s, "start-up")  # start-up is not part of any call's budget
+
+    def _read(self, timeout_s: float, what: str) -> dict:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            self._kill()
+            raise TimeoutError(f"{what} exceeded {timeout_s} s; worker killed") from None
+        if line is None:
+            code = self._proc.wait()
+            self._proc = None
+            raise RuntimeError(f"worker process exited (code {code}) during {what}")
+        return json.loads(line)
+
+    def call(self, fn: str, *args, timeout_s: float):
+        """fn(*args) in the worker ('module:function'); TimeoutError after `timeout_s`, WorkerError
+        if fn raised."""
+        with self._lock:
+            if self._proc is None:
+                self._start()
+            self._proc.stdin.write(json.dumps({"fn": fn, "args": list(args)}) + "\n")
+            self._proc.stdin.flush()
+            reply = self._read(timeout_s, fn)
+        if "error" in reply:
+            raise WorkerError(reply["error"])
+        return reply["result"]
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill()
+
+
+_math_worker: BoundedWorker | None = None
+_math_stats = {"calls": 0, "equal": 0, "errors": 0, "timeouts": 0}
+_math_lock = threading.Lock()
+
+
+def math_verify_stats() -> dict[str, int]:
+    """Counts of math-verify comparisons in this process: calls, equal, errors, timeouts."""
+    with _math_lock:
+        return dict(_math_stats)
+
+
+def _count(key: str) -> int:
+    with _math_lock:
+        _math_stats[key] += 1
+        return _math_stats[key]
+
+
+def _math_verify(pred_text: str, truth: str, timeout_s: float | None = None) -> bool:
+    """math-verify's symbolic equivalence of a completion and the ground truth, from any thread."""
+    global _math_worker
+    if importlib.util.find_spec("math_verify") is None:
+        raise ImportError("math_reward needs math-verify: pip install 'periodic-async[math]'")
+    with _math_lock:
+        if _math_worker is None:
+            _math_worker = BoundedWorker(preload="math_verify")
+    _count("calls")
+    timeout_s = MATH_VERIFY_TIMEOUT_S if timeout_s is None else timeout_s
     try:
-        from math_verify import parse, verify
-    except ImportError:
-        return None
-    try:
-        return bool(verify(parse(f"${truth}$"), parse(pred_text)))
-    except Exception:  # math-verify raises many kinds of parse errors; fall back to ours
-        return None
+        ok = _math_worker.call("periodic_async.reward:verify_math", pred_text, truth, timeout_s=timeout_s)
+    except TimeoutError:
+        n = _count("timeouts")
+        logger.warning("math-verify timed out after %.1f s (scored 0; %d timeouts so far): answer %r, "
+                       "completion %r", timeout_s, n, truth, pred_text[-200:])
+        return False
+    except RuntimeError as e:  # WorkerError (math-verify raised) or a dead worker: not the run's end
+        n = _count("errors")
+        if n <= 10 or n % 100 == 0:
+            logger.warning("math-verify raised %s: %s (scored 0; %d errors so far): answer %r, completion %r",
+                           type(e).__name__, e, n, truth, pred_text[-200:])
+        return False
+    if ok:
+        _count("equal")
+    return ok
 
 
 def correctness_reward(prompts: Sequence, completions: Sequence[str], answer: Sequence[str],
@@ -103,14 +266,15 @@ def correctness_reward(prompts: Sequence, completions: Sequence[str], answer: Se
     for text, truth in zip(completions, answer, strict=True):
         ok = answers_match(extract_answer(text), str(truth))
         if not ok and use_math_verify:
-            ok = bool(_math_verify(text, str(truth)))
+            ok = _math_verify(text, str(truth))
         out.append(1.0 if ok else 0.0)
     return out
 
 
 def math_reward(prompts: Sequence, completions: Sequence[str], answer: Sequence[str], **kwargs) -> list[float]:
     """`correctness_reward` that also asks math-verify (symbolic equivalence: fractions, LaTeX)
-    when it is installed (`pip install math-verify`, in the dev extra)."""
+    when our own comparison fails. Needs math-verify (`pip install 'periodic-async[math]'`);
+    works from any thread (the producer's) with a hard timeout per comparison, see above."""
     return correctness_reward(prompts, completions, answer, use_math_verify=True)
 
 
