@@ -10,6 +10,7 @@ import torch
 from periodic_async.config import RunConfig, load_config
 from periodic_async.consumer import Consumer, StaleGroupError
 from periodic_async.engine import make_engine
+from periodic_async.engine.local import LocalEngine
 from periodic_async.group import Group
 from periodic_async.model import load_policy
 from periodic_async.pipeline import run
@@ -154,7 +155,7 @@ def test_producer_error_stops_the_run_and_keeps_the_checkpoint(engine, tokenizer
     cfg = _cfg(tmp_path, tokenizer_dir, "periodic-async", **{"reward.functions": f"{HERE}:failing_reward"})
     with pytest.raises(ValueError, match="reward service unavailable"):
         run(cfg, engine=engine)
-    state = torch.load(Path(cfg.trainer.output_dir) / "checkpoint" / "trainer_state.pt", weights_only=False)
+    state = torch.load(Path(cfg.trainer.output_dir) / "checkpoint" / "trainer_state.pt", weights_only=True)
     assert state["next_iteration"] == 1
     assert len(_rollouts(cfg)) == 6
 
@@ -250,3 +251,36 @@ def test_evaluation_runs_through_the_engines(engine, tokenizer_dir, tmp_path):
     assert summary["eval_accuracy"] == rows[-1]["accuracy"]
     metrics = read_jsonl(Path(cfg.trainer.output_dir) / "metrics.jsonl")
     assert [m.get("eval/version") for m in metrics[:3]] == [0, 1, 2]
+
+
+class _BarrierFailsAt(LocalEngine):
+    """A real in-process engine whose weight sync fails once, at one version (fault injection)."""
+
+    fail_at = 2
+
+    def update_weights(self, state_dict, version):
+        if version == self.fail_at:
+            self.fail_at = -1
+            raise ConnectionError(f"weight sync to version {version} failed")
+        return super().update_weights(state_dict, version)
+
+
+def test_resume_after_failed_barrier_matches_uninterrupted(tokenizer_dir, tmp_path):
+    """The barrier to version 2 fails after iteration 1's optimizer step: the checkpoint says
+    2 iterations done and holds theta_2 (label and weights agree), and resuming from it gives
+    the uninterrupted run's tokens and weights."""
+    full = _cfg(tmp_path / "full", tokenizer_dir, "periodic-async")
+    with make_engine(full.engine, full.model, backend="local") as local:
+        run(full, engine=local)
+    part = _cfg(tmp_path / "part", tokenizer_dir, "periodic-async")
+    flaky = _BarrierFailsAt.from_config(part.engine, part.model)
+    with pytest.raises(ConnectionError, match="version 2"):
+        run(part, engine=flaky)
+    state = torch.load(Path(part.trainer.output_dir) / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["next_iteration"] == 2
+    resumed = _cfg(tmp_path / "part", tokenizer_dir, "periodic-async", **{"trainer.resume": "auto"})
+    run(resumed, engine=flaky)
+    got, want = _by_prompt(_rollouts(resumed)), _by_prompt(_rollouts(full))
+    assert {k[0] for k in got} == {0, 2}  # iteration 1's books were not kept: it died at its barrier
+    assert got == {k: v for k, v in want.items() if k[0] != 1}
+    assert _max_diff(_final_weights(full), _final_weights(resumed)) <= 1e-10

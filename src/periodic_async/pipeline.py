@@ -146,7 +146,7 @@ def _load_checkpoint(ckpt: Path, policy, consumer: Consumer) -> int:
     saved = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=next(policy.parameters()).dtype)
     policy.load_state_dict(saved.state_dict())
     consumer.tri.refresh_old()
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)  # no code from a checkpoint
     consumer.load_state_dict(state)
     return int(state["next_iteration"])
 
@@ -195,9 +195,9 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
             groups = _Received(mode.groups(producer, iteration))
             train = consumer.train_iteration(groups, iteration, mode.sampled_by(iteration),
                                              engines_idle=producer.generation_done)
+            completed = iteration + 1  # the policy is now version t+1, whatever happens at the barrier
             mode.before_barrier(producer, iteration)
-            sync_s = _barrier(engine, policy, iteration + 1, tracer)
-            completed = iteration + 1
+            sync_s = _barrier(engine, policy, completed, tracer)
             t_end = time.time()
             mode.after_barrier(producer, completed)  # the next iteration generates while we keep the books
             books.iteration(groups.received, t_start, t_end, train, sync_s, completed)
