@@ -40,12 +40,42 @@ def test_synthetic_answers_are_correct_and_respect_difficulty(steps, operand):
         assert correctness_reward(None, [ex.solution], answer=[ex.answer]) == [1.0]
 
 
-def test_train_and_eval_splits_are_disjoint():
-    cfg = DataConfig(num_train=500, num_eval=100)
-    train = {e.question for e in load_examples(cfg, "train")}
+def test_eval_disjoint_from_train(tmp_path):
+    """The held-out set never shares a question with the training set (nor the few-shot prefix):
+    - synthetic: on a small task the eval seed's raw stream repeats training problems, yet the
+      held-out set has none of them and still num_eval problems; an impossible request is an
+      error naming the source;
+    - files and `datasets` directories: a training head and held-out tail that would share
+      records, or a duplicated question across them, is an error naming the source, how many
+      and which example."""
+    cfg = DataConfig(num_train=2000, num_eval=100, min_steps=1, max_steps=1, max_operand=3, few_shot=2)
+    train = {e.question for e in load_examples(cfg, "train") + few_shot_examples(cfg)}
+    raw = make_synthetic(100, cfg, seed=cfg.seed + 1_000_003)
+    assert sum(e.question in train for e in raw) >= 10, "the control must collide, or the test proves nothing"
     evals = load_examples(cfg, "eval")
-    assert len(evals) == 100
-    assert sum(e.question in train for e in evals) < 10  # short problems may collide by chance
+    assert len(evals) == 100 and not any(e.question in train for e in evals)
+    assert evals == load_examples(cfg, "eval")  # deterministic
+    with pytest.raises(ValueError, match="synthetic.*only .* of data.num_eval=500"):
+        load_examples(DataConfig(num_train=30000, num_eval=500, min_steps=1, max_steps=1, max_operand=2), "eval")
+
+    rows = [{"question": f"Q{i}?", "answer": f"#### {i}"} for i in range(10)]
+    p = tmp_path / "gsm8k.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    ok = load_examples(DataConfig(source=str(p), num_train=6, num_eval=4), "eval")
+    assert [e.question for e in ok] == ["Q6?", "Q7?", "Q8?", "Q9?"]
+    with pytest.raises(ValueError, match=r"gsm8k.jsonl.*10 examples.*would share 2"):
+        load_examples(DataConfig(source=str(p), num_train=8, num_eval=4), "eval")
+    with pytest.raises(ValueError, match=r"gsm8k.jsonl.*would share 4"):
+        load_examples(DataConfig(source=str(p), num_train=0, num_eval=4), "eval")
+    rows[8] = dict(rows[2], answer="#### 2")  # the same question again, in the held-out tail
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=r"gsm8k.jsonl.*1 of 4 held-out examples.*'Q2\?'"):
+        load_examples(DataConfig(source=str(p), num_train=6, num_eval=4), "eval")
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "train.jsonl").write_text(p.read_text())
+    with pytest.raises(ValueError, match=r"ds'.*1 of 4 held-out examples.*'Q2\?'"):
+        load_examples(DataConfig(source=str(d), num_train=6, num_eval=4), "eval")
 
 
 def test_few_shot_prompt_is_longer_and_contains_solved_examples():

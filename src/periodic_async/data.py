@@ -168,16 +168,68 @@ def _read_records(source: str, split: str) -> list[dict]:
 
 
 def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
-    """The examples of `split` ('train' or 'eval'). Synthetic eval uses a disjoint seed."""
+    """The examples of `split` ('train' or 'eval'). The held-out set never overlaps the training
+    set nor the few-shot examples (same question text): synthetic eval draws from its own seed
+    and skips problems the training set has; a file's eval is its tail, checked against its
+    head; any overlap is a ValueError naming the source."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"load_examples: split={split!r}: expected 'train' or 'eval'")
     if cfg.source == "synthetic":
-        n = cfg.num_train if split == "train" else cfg.num_eval
-        return make_synthetic(n, cfg, seed=cfg.seed if split == "train" else cfg.seed + 1_000_003)
-    records = _read_records(cfg.source, cfg.split)
-    examples = [_record_to_example(r, cfg.format, cfg.source, i) for i, r in enumerate(records)]
-    if split == "train":
-        return examples[: cfg.num_train] if cfg.num_train else examples
-    # eval: the tail of the file, disjoint from the training head when both fit.
-    return examples[-cfg.num_eval:] if cfg.num_eval else []
+        train = make_synthetic(cfg.num_train, cfg, seed=cfg.seed)
+        if split == "train":
+            return train
+        evals = _synthetic_eval(cfg, exclude=train + few_shot_examples(cfg))
+    else:
+        records = _read_records(cfg.source, cfg.split)
+        examples = [_record_to_example(r, cfg.format, cfg.source, i) for i, r in enumerate(records)]
+        train = examples[: cfg.num_train] if cfg.num_train else examples
+        if split == "train":
+            return train
+        if not cfg.num_eval:
+            return []
+        n_train = cfg.num_train or len(examples)
+        if n_train + cfg.num_eval > len(examples):  # eval: the tail, after the training head
+            raise ValueError(
+                f"data.source {cfg.source!r} (split {cfg.split!r}) has {len(examples)} examples: the training head "
+                f"(data.num_train={cfg.num_train}, i.e. {n_train}) and the held-out tail (data.num_eval="
+                f"{cfg.num_eval}) would share {n_train + cfg.num_eval - len(examples)}; lower one of them")
+        evals = examples[-cfg.num_eval:]
+    check_disjoint(train + few_shot_examples(cfg), evals, cfg.source)
+    return evals
+
+
+def _key(example: Example) -> str:
+    """What makes two problems the same: the question text, whitespace-normalised."""
+    return " ".join(example.question.split())
+
+
+def check_disjoint(train: list[Example], evals: list[Example], source: str) -> None:
+    """Raise ValueError (naming `source`, how many and which) if a held-out question is also a
+    training (or few-shot) question."""
+    seen = {_key(e) for e in train}
+    overlap = [e for e in evals if _key(e) in seen]
+    if overlap:
+        shown = "; ".join(f"{e.id or '?'}: {e.question[:60]!r}" for e in overlap[:3])
+        raise ValueError(f"data.source {source!r}: {len(overlap)} of {len(evals)} held-out examples also appear "
+                         f"in the training data (or the few-shot prefix), e.g. {shown}")
+
+
+def _synthetic_eval(cfg: DataConfig, exclude: list[Example]) -> list[Example]:
+    """`num_eval` problems from the eval seed, skipping any whose question is in `exclude` (the
+    training set and the few-shot prefix): short problems collide by chance."""
+    taken = {_key(e) for e in exclude}
+    rng = random.Random(cfg.seed + 1_000_003)
+    out, draws = [], 0
+    while len(out) < cfg.num_eval:
+        draws += 1
+        if draws > 20 * cfg.num_eval + 10_000:
+            raise ValueError(f"data.source 'synthetic': only {len(out)} of data.num_eval={cfg.num_eval} held-out "
+                             f"problems outside the {cfg.num_train} training problems after {draws - 1} draws; "
+                             "make the task larger (data.max_operand, data.max_steps) or data.num_train smaller")
+        ex = make_synthetic_example(rng, cfg, draws - 1)
+        if _key(ex) not in taken:
+            out.append(Example(ex.question, ex.answer, ex.solution, id=f"syn-eval-{draws - 1}"))
+    return out
 
 
 def few_shot_examples(cfg: DataConfig) -> list[Example]:
