@@ -2,8 +2,8 @@
 mainstream framework a user here would otherwise pick) and of our three modes, each with and
 without shared-prompt packing, on one warm-started model, tokenizer, prompt set and reward.
 
-    bash experiments/table2_throughput.sh              # ~15 min on 2 cores; QUICK=1: ~2 min
-    python experiments/table2_throughput.py [--quick] [--results results] [--figures figures]
+    bash experiments/table2_throughput.sh              # ~15 min on 2 quiet cores; QUICK=1: ~2 min
+    python experiments/table2_throughput.py [--quick] [--repeats N] [--results results] [--figures figures]
                                             [--runs runs/table2] [section.key=value ...]
 
 What is the same for every system (experiments/table2_throughput.yaml): model, tokenizer,
@@ -217,6 +217,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("--runs", default="runs/table2")
     ap.add_argument("--plan", default=str(HERE / "table2_throughput.yaml"))
+    ap.add_argument("--repeats", type=int, default=None, help="measured rounds (default: bench.repeats of the plan)")
     ap.add_argument("overrides", nargs="*", help="section.key=value for every system (e.g. model.name_or_path=...)")
     args = ap.parse_args(argv)
     plan = load_plan(Path(args.plan), args.quick)
@@ -229,6 +230,8 @@ def main(argv=None) -> list[dict]:
         extra.append("model.name_or_path=qwen2-1m")
     ensure_tokenizer(probe.model.tokenizer)
     runs = Path(args.runs)
+    if args.repeats:
+        plan["bench"]["repeats"] = args.repeats
     bench = plan["bench"]
     if probe.trainer.iterations < 2:
         raise ValueError("trainer.iterations must be >= 2: the first iteration of every run is excluded")
