@@ -122,6 +122,11 @@ class Consumer:
                            "cannot resume its schedule; start a fresh run)")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # The position comes from the checkpoint, the schedule from this run's config: set the
+        # lr it gives there (same config: the saved lr; more trainer.iterations: the stretched schedule).
+        step = self.scheduler.last_epoch
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            group["lr"] = base * factor(step)
         if self.tri.scaler is not None and "grad_scaler" in state:
             self.tri.scaler.load_state_dict(state["grad_scaler"])
 
