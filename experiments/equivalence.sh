@@ -6,5 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export WANDB_RUN_GROUP=equivalence
-quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick model.name_or_path=artifacts/sft-quick)
+quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick)
+# the smoke run's warm start (run_all.sh QUICK=1 makes it first); else the yaml's
+if [ "${QUICK:-0}" != 0 ] && [ -f artifacts/sft-quick/config.json ]; then quick+=(model.name_or_path=artifacts/sft-quick); fi
 python experiments/equivalence.py "${quick[@]}" --results "${RESULTS_DIR:-results}" "$@"

@@ -1,8 +1,8 @@
 """Notebooks that cannot rot: every notebook executes headless (nbclient) against the committed
 results/, and every committed figure is written by some notebook.
 
-The notebooks run in a scratch copy of the repository's layout: notebooks/ copied, results/ and
-experiments/ linked read-only, figures/ empty. A notebook that writes `figures/x.png` (relative
+The notebooks run in a scratch copy of the repository's layout: notebooks/ copied, results/,
+experiments/ and src/ linked (notebooks only read them), figures/ empty. A notebook that writes `figures/x.png` (relative
 to the repository root) writes it there, never over the committed figure; the figures found
 there afterwards are the ones the notebooks can redraw."""
 
