@@ -96,7 +96,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    extra = (["trainer.iterations=3"] if args.quick else []) + ["logging.wandb_group=equivalence"] + args.overrides
+    extra = (["trainer.iterations=2"] if args.quick else []) + ["logging.wandb_group=equivalence"] + args.overrides
     from periodic_async.model import PRESETS
 
     model = load_config(RunConfig, HERE / "equivalence.yaml", extra).model.name_or_path
