@@ -1,4 +1,4 @@
-"""The producer (PAPER.md point 2, the "temporary data generator"): a background thread that
+"""The producer (the paper's method point 2, its "temporary data generator"): a background thread that
 turns an iteration's prompts into scored `Group`s on a queue.
 
 At the start of iteration t, once version t is on every engine, `start(t)` takes the
