@@ -1,4 +1,4 @@
-"""The consumer (PAPER.md point 3): the trainer side of one iteration.
+"""The consumer (the paper's method point 3): the trainer side of one iteration.
 
 It takes groups in the order they come (completion order in periodic-async mode), packs
 them into micro-batches (shared-prompt layout when on, token budget), runs the tri-model
@@ -6,8 +6,9 @@ micro-step (policy/old/ref log-probs, GRPO loss sum, backward) and accumulates g
 Once all B groups of the iteration are in, it normalises the gradients exactly once,
 clips, and takes the optimizer step; the caller then pushes version t+1 (the barrier).
 
-On-policy guarantee: every group must carry the current version t; a group of any other
-version raises `StaleGroupError`, never silently trains. Exactly B groups per iteration.
+On-policy guarantee: every group must carry the version the mode says sampled it (t in the
+on-policy modes, t-1 in the off-policy baseline); a group of any other version raises
+`StaleGroupError`, never silently trains. Exactly B groups per iteration.
 With `optimizer_steps_per_iteration = k > 1` the iteration is cut into k mini-batches of
 B/k groups *in arrival order*, each followed by a step: a documented departure that breaks
 the sync/async equivalence (the mini-batches then depend on completion order).
@@ -15,6 +16,7 @@ the sync/async equivalence (the mini-batches then depend on completion order).
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Iterable
 
@@ -31,6 +33,23 @@ from periodic_async.trimodel import TriModel
 
 class StaleGroupError(RuntimeError):
     """A group sampled by another policy version reached the trainer."""
+
+
+class _Threads:
+    """The trainer's torch threads: `base`, raised to `after_generation` once `idle` is set."""
+
+    def __init__(self, base: int, after_generation: int, idle: threading.Event | None) -> None:
+        self.base, self.after, self.idle = base, after_generation, idle
+        self.raised_at: float | None = None
+
+    def update(self) -> None:
+        if self.raised_at is None and self.after > self.base and self.idle is not None and self.idle.is_set():
+            torch.set_num_threads(self.after)
+            self.raised_at = time.time()
+
+    def reset(self) -> None:
+        if self.raised_at is not None:
+            torch.set_num_threads(self.base)
 
 
 class Consumer:
@@ -52,6 +71,7 @@ class Consumer:
         # Score the tempered distribution the engines sample from (engine/batcher.py:sample_next).
         self.tri = TriModel(policy, a, logprob_kwargs={"backend": a.attention_backend,
                                                        "temperature": cfg.engine.temperature},
+                            old_from_behaviour=cfg.pipeline.mode == "async-offpolicy",
                             autocast_dtype=self.model_dtype if half else None)
         self.optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=a.lr,
                                            weight_decay=a.weight_decay, betas=(0.9, 0.999))
@@ -60,9 +80,15 @@ class Consumer:
         self.device = next(policy.parameters()).device
         self.dtype = next(policy.parameters()).dtype
 
-    def train_iteration(self, groups: Iterable[Group], iteration: int, version: int) -> dict[str, float]:
-        """Train on the B groups of `iteration` (all of `version`); returns the iteration's metrics."""
+    def train_iteration(self, groups: Iterable[Group], iteration: int, version: int,
+                        engines_idle: threading.Event | None = None) -> dict[str, float]:
+        """Train on the B groups of `iteration`, all sampled by `version` (= iteration on-policy);
+        returns the iteration's metrics. Once `engines_idle` is set (the producer's
+        `generation_done`) the trainer takes `trainer.threads_after_generation` torch threads
+        for the rest of the iteration: on one machine the engines' cores are free until the
+        barrier. (On GPUs the engines' devices cannot join a running trainer this way.)"""
         a = self.cfg.algorithm
+        threads = _Threads(self.cfg.trainer.threads, self.cfg.trainer.threads_after_generation, engines_idle)
         per_step = a.prompts_per_iteration // a.optimizer_steps_per_iteration
         batcher = MicroBatcher.from_config(a)
         acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
@@ -72,16 +98,19 @@ class Consumer:
         for group in groups:
             if group.version != version:
                 raise StaleGroupError(f"group of prompt {group.prompt_index} (iteration {group.iteration}) was "
-                                      f"sampled by version {group.version}; the trainer is at version {version}")
+                                      f"sampled by version {group.version}; iteration {iteration} takes version "
+                                      f"{version} only")
             first_group_at = first_group_at or time.time()
             received.append(group)
             n_groups += 1
             if n_groups > a.prompts_per_iteration:
                 raise RuntimeError(f"iteration {iteration}: more than {a.prompts_per_iteration} groups")
             t0 = time.time()
+            threads.update()
             for mb in batcher.add(group):
                 self._micro_step(mb, acc, iteration)
             if n_groups % per_step == 0:
+                threads.update()
                 for mb in batcher.flush():
                     self._micro_step(mb, acc, iteration)
                 with self.tracer.span("optimizer_step", "trainer", iteration=iteration):
@@ -90,11 +119,13 @@ class Consumer:
                 steps += 1
                 acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
             busy_s += time.time() - t0
+        threads.reset()
         if n_groups != a.prompts_per_iteration:
             raise RuntimeError(f"iteration {iteration}: got {n_groups} groups, expected {a.prompts_per_iteration}")
         self.tri.refresh_old()
         m = {k: sum(s[k] for s in step_metrics) / len(step_metrics) for k in step_metrics[0]}
-        m.update(optimizer_steps=steps, train_busy_s=busy_s, first_group_at=first_group_at)
+        m.update(optimizer_steps=steps, train_busy_s=busy_s, first_group_at=first_group_at,
+                 threads_raised_at=threads.raised_at)
         return m
 
     def _micro_step(self, mb, acc: grpo.LossAccumulator, iteration: int) -> None:

@@ -89,6 +89,8 @@ class TriModel:
          eps_low, eps_high, max_grad_norm).
     logprob_kwargs: extra keyword arguments passed to `shared_prompt.token_logprobs` for all
          three models, e.g. {"backend": "split"}; none by default (token_logprobs' own default).
+    old_from_behaviour: take the old log-probs from the engines' behaviour log-probs instead
+         (the off-policy mode, whose samples come from an earlier version than the policy's).
     autocast_dtype: None (the forwards run in the parameters' dtype) or torch.bfloat16 /
          torch.float16: mixed precision. The parameters (the optimizer's master weights, and
          its state) must then be float32; the three forwards run under `torch.autocast` in
@@ -97,7 +99,7 @@ class TriModel:
     """
 
     def __init__(self, policy: torch.nn.Module, cfg, logprob_kwargs: dict | None = None,
-                 autocast_dtype: torch.dtype | None = None):
+                 old_from_behaviour: bool = False, autocast_dtype: torch.dtype | None = None):
         self.policy, self.cfg = policy, cfg
         if autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"TriModel: autocast_dtype={autocast_dtype}: expected None, bfloat16 or float16")
@@ -111,7 +113,8 @@ class TriModel:
         self.scaler = (torch.amp.GradScaler(device_type, init_scale=2.0**8, growth_interval=100)
                        if autocast_dtype == torch.float16 else None)
         self.logprob_kwargs = dict(logprob_kwargs or {})
-        self.skip_old = bool(cfg.skip_old_forward) and cfg.optimizer_steps_per_iteration == 1
+        self.old_from_behaviour = old_from_behaviour
+        self.skip_old = (bool(cfg.skip_old_forward) and cfg.optimizer_steps_per_iteration == 1) or old_from_behaviour
         self.old = None if self.skip_old else _frozen_copy(policy)
         self.ref = _frozen_copy(policy) if cfg.beta > 0 else None
 
@@ -137,6 +140,8 @@ class TriModel:
         """Forward the three models, backpropagate the micro-batch's un-normalised loss sum,
         record it in `acc`. inputs: a `batching.MicroBatchInputs`. Returns the metric sums."""
         out = self.forward(inputs.packed, with_entropy=with_entropy)
+        if self.old_from_behaviour:  # off-policy: PPO's old policy is the one that sampled
+            out.old_N = inputs.behaviour_logp_N.to(out.policy_N.dtype)
         w_N = grpo.token_weights(inputs.packed.sample_N, inputs.lengths_S, self.cfg.loss_norm,
                                  dtype=out.policy_N.dtype)
         loss_sum, sums = grpo.micro_batch_loss(out.policy_N, out.old_N, out.ref_N, inputs.advantages_N, w_N,
