@@ -188,7 +188,7 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     books = _Books(cfg, out, logger, producer)
     completed = start_iteration  # iterations whose optimizer step is done
     try:
-        _barrier(engine, policy, start_iteration, tracer)  # the engines start from our weights
+        _barrier(engine, consumer, start_iteration, tracer)  # the engines start from our weights
         t_start = time.time()
         mode.begin(producer, start_iteration, last)
         for iteration in range(start_iteration, last):  # the paper's Figure 1
@@ -197,7 +197,7 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
                                              engines_idle=producer.generation_done)
             completed = iteration + 1  # the policy is now version t+1, whatever happens at the barrier
             mode.before_barrier(producer, iteration)
-            sync_s = _barrier(engine, policy, completed, tracer)
+            sync_s = _barrier(engine, consumer, completed, tracer)
             t_end = time.time()
             mode.after_barrier(producer, completed)  # the next iteration generates while we keep the books
             books.iteration(groups.received, t_start, t_end, train, sync_s, completed)
@@ -227,10 +227,11 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     return summary
 
 
-def _barrier(engine: Engine, policy, version: int, tracer: Tracer) -> float:
-    """Push the policy's weights to every engine as `version`; returns the seconds it took."""
+def _barrier(engine: Engine, consumer: Consumer, version: int, tracer: Tracer) -> float:
+    """Push the policy's weights (in the engines' dtype) to every engine as `version`; returns
+    the seconds it took."""
     t = time.time()
-    engine.update_weights(policy.state_dict(), version)
+    engine.update_weights(consumer.engine_state_dict(), version)
     t_end = time.time()
     tracer.add("weight_sync", "trainer", t, t_end, version=version)
     return t_end - t
