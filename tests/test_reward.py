@@ -138,3 +138,23 @@ def test_bounded_worker_kills_a_call_that_overruns():
     assert 1.0 <= seen["timeout_after_s"] < 10
     assert seen["sum"] == 5
     assert seen["error"].startswith("ValueError")
+
+
+def nan_reward(prompts, completions, **kwargs):
+    return [float("nan")] + [1.0] * (len(completions) - 1)
+
+
+def test_non_finite_or_malformed_reward_is_named():
+    """A NaN, a non-number or a wrong count from a user reward stops with the function's name
+    and the value, never as NaN advantages."""
+    import pytest
+
+    from periodic_async.reward import RewardError, combined_reward
+
+    with pytest.raises(RewardError, match=r"'nan_reward' returned non-finite reward\(s\) nan \(completion 0\)"):
+        combined_reward([nan_reward], [1.0])(["p"] * 3, ["a", "b", "c"])
+    with pytest.raises(RewardError, match="'<lambda>' returned .*expected a list of numbers"):
+        combined_reward([lambda p, c, **k: ["x"] * len(c)], [1.0])(["p"] * 2, ["a", "b"])
+    with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
+        combined_reward([lambda p, c, **k: [1.0]], [1.0])(["p"] * 2, ["a", "b"])
+    assert combined_reward([lambda p, c, **k: [0.5] * len(c)], [2.0])(["p"], ["a"]) == [1.0]

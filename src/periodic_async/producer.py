@@ -36,7 +36,7 @@ from periodic_async.config import RunConfig
 from periodic_async.data import Example, iteration_prompts, prompt_messages
 from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
 from periodic_async.group import Group
-from periodic_async.reward import correctness_reward
+from periodic_async.reward import RewardError, correctness_reward
 from periodic_async.tokenizer import encode_chat
 from periodic_async.trace import Tracer
 
@@ -197,7 +197,11 @@ class Producer:
         texts = [s.text for s in out.samples]
         prompt_text = prompt_messages(example, self.shots)[0]["content"]
         G = len(texts)
-        rewards = self.reward_fn([prompt_text] * G, texts, answer=[example.answer] * G)
+        try:
+            rewards = self.reward_fn([prompt_text] * G, texts, answer=[example.answer] * G)
+        except Exception as e:
+            raise RewardError(f"iteration {iteration}, prompt {index} (request {out.request_id}): "
+                              f"{type(e).__name__}: {e}") from e
         correct = correctness_reward(None, texts, answer=[example.answer] * G)
         advantages = grpo.group_advantages([float(r) for r in rewards], mode=self.cfg.algorithm.advantage).tolist()
         t1 = time.time()

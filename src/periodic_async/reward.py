@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -306,15 +307,30 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
+class RewardError(ValueError):
+    """A reward function failed or returned something that is not one finite number per completion."""
+
+
 def combined_reward(fns: Sequence[RewardFn], weights: Sequence[float]) -> RewardFn:
-    """Weighted sum of reward functions; checks each returns one float per completion."""
+    """Weighted sum of reward functions; checks each returns one finite number per completion
+    and raises `RewardError` naming the function and the bad value otherwise (a NaN reward
+    would otherwise become NaN advantages, gradients and weights)."""
     def reward(prompts: Sequence, completions: Sequence[str], **kwargs) -> list[float]:
         total = [0.0] * len(completions)
         for fn, w in zip(fns, weights, strict=True):
+            name = getattr(fn, "__name__", repr(fn))
             r = fn(prompts, completions, **kwargs)
-            if len(r) != len(completions):
-                raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned {len(r)} "
-                                 f"values for {len(completions)} completions")
-            total = [t + w * float(x) for t, x in zip(total, r)]
+            try:
+                values = [float(x) for x in r]
+            except (TypeError, ValueError) as e:
+                raise RewardError(f"reward function {name!r} returned {r!r}: expected a list of numbers ({e})") from None
+            if len(values) != len(completions):
+                raise RewardError(f"reward function {name!r} returned {len(values)} values for "
+                                  f"{len(completions)} completions")
+            bad = [(i, v) for i, v in enumerate(values) if not math.isfinite(v)]
+            if bad:
+                raise RewardError(f"reward function {name!r} returned non-finite reward(s) "
+                                  f"{', '.join(f'{v} (completion {i})' for i, v in bad[:4])}")
+            total = [t + w * v for t, v in zip(total, values)]
         return total
     return reward
