@@ -191,11 +191,16 @@ def trl_system(plan, setting, extra, runs: Path, model_dir_of) -> System:
 
     cfg = run_config(plan, setting, extra)
     out = runs / setting / "trl-grpo"
-    # What TRL shares with our systems, plus its own settings (no engine, no pipeline mode).
+    # What TRL shares with our systems, what it does instead (one static `generate` of the whole
+    # generation batch in its own process, per-response rows), and its own settings.
     settings = settings_dict(cfg)
-    settings["engine"] = {k: settings["engine"][k] for k in ("max_tokens", "temperature", "top_p", "top_k")}
+    n = cfg.algorithm.prompts_per_iteration * cfg.algorithm.group_size
+    settings["engine"].update(backend="transformers.generate", num_workers=1, threads_per_worker=plan["trl"]["threads"],
+                              max_num_seqs=n)
+    settings["algorithm"].pop("micro_batch_tokens")  # TRL's own is trl.per_device_train_batch_size
+    settings["algorithm"]["shared_prompt"] = False
     settings["pipeline"] = {"mode": "trl-grpo"}
-    settings["trainer"] = {"iterations": cfg.trainer.iterations, "threads": plan["trl"]["threads"]}
+    settings["trainer"].update(threads=plan["trl"]["threads"], threads_after_generation=0)
     _, prompt_len = trl_dataset(cfg, load_tokenizer(cfg.model.tokenizer))
     settings["trl"] = {**plan["trl"], "per_device_train_batch_size": trl_micro_batch(cfg, plan["trl"], prompt_len)}
     return System("trl-grpo", lambda: run_trl(cfg, plan["trl"], model_dir_of(cfg), out), settings)
