@@ -284,3 +284,18 @@ def test_resume_after_failed_barrier_matches_uninterrupted(tokenizer_dir, tmp_pa
     assert {k[0] for k in got} == {0, 2}  # iteration 1's books were not kept: it died at its barrier
     assert got == {k: v for k, v in want.items() if k[0] != 1}
     assert _max_diff(_final_weights(full), _final_weights(resumed)) <= 1e-10
+
+
+
+def test_non_finite_gradient_is_not_stepped(tokenizer_dir, tmp_path):
+    """A NaN advantage (e.g. from a reward bug past the checks) gives a non-finite gradient: the
+    step is not taken, the weights stay as they were, the error names the iteration."""
+    cfg = _cfg(tmp_path, tokenizer_dir, "periodic-async", **{"algorithm.prompts_per_iteration": 2})
+    policy, _ = load_policy(cfg.model)
+    consumer = Consumer(policy, cfg)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    bad = _group(0)
+    bad.advantages = [float("nan"), 0.7]
+    with pytest.raises(FloatingPointError, match="iteration 0, optimizer step 0: non-finite gradient"):
+        consumer.train_iteration([_group(0), bad], iteration=0, version=0)
+    assert _max_diff(before, policy.state_dict()) == 0

@@ -114,7 +114,10 @@ class Consumer:
                 for mb in batcher.flush():
                     self._micro_step(mb, acc, iteration)
                 with self.tracer.span("optimizer_step", "trainer", iteration=iteration):
-                    step_metrics.append(self.tri.optimizer_step(self.optimizer, acc))
+                    try:
+                        step_metrics.append(self.tri.optimizer_step(self.optimizer, acc))
+                    except FloatingPointError as e:
+                        raise FloatingPointError(f"iteration {iteration}, optimizer step {steps}: {e}") from e
                     self.scheduler.step()
                 steps += 1
                 acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)

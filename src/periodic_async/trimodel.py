@@ -168,6 +168,10 @@ class TriModel:
         lr = float(optimizer.param_groups[0]["lr"])
         extra = {}
         if self.scaler is None:
+            if not bool(torch.isfinite(grad_norm)):  # never step (nor push) NaN/inf weights
+                optimizer.zero_grad(set_to_none=True)
+                raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} (loss sum "
+                                         f"{float(acc.sums.get('loss', float('nan')))}): the step was not taken")
             optimizer.step()
         else:
             extra["grad_scale"] = float(self.scaler.get_scale())
@@ -182,10 +186,12 @@ class TriModel:
         if self.old is None:
             return
         for (name, p_old), (name_p, p) in zip(self.old.named_parameters(), self.policy.named_parameters()):
-            assert name == name_p, (name, name_p)
+            if name != name_p:
+                raise RuntimeError(f"refresh_old: old and policy parameters differ ({name} vs {name_p})")
             p_old.copy_(p)
         for (name, b_old), (name_p, b) in zip(self.old.named_buffers(), self.policy.named_buffers()):
-            assert name == name_p, (name, name_p)
+            if name != name_p:
+                raise RuntimeError(f"refresh_old: old and policy buffers differ ({name} vs {name_p})")
             b_old.copy_(b)
 
     def memory(self) -> dict[str, int]:

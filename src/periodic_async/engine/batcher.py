@@ -253,7 +253,8 @@ class ContinuousBatcher:
         self.slots = [None] * self.max_num_seqs
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        assert not self.has_work, "update_weights while requests are in flight would mix versions"
+        if self.has_work:  # a real check: python -O keeps it
+            raise RuntimeError("update_weights while requests are in flight would mix versions")
         load_weights(self.model, state_dict)
         self.version = version
 

@@ -37,7 +37,8 @@ class LocalEngine(Engine):
         return self.workers[0].version
 
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
-        assert not self._active, "one generate() at a time"
+        if self._active:  # a real check: python -O keeps it
+            raise RuntimeError("one generate() at a time")
         self._active = True
         try:
             for w, r in zip(assign_workers(requests, len(self.workers)), requests):
@@ -56,7 +57,8 @@ class LocalEngine(Engine):
             self._active = False
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
-        assert not self._active, "update_weights during generate() would mix versions"
+        if self._active:  # a real check: python -O keeps it
+            raise RuntimeError("update_weights during generate() would mix versions")
         t = time.perf_counter()
         for w in self.workers:
             w.update_weights(state_dict, version)

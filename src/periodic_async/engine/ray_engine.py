@@ -160,7 +160,8 @@ class RayEngine(Engine):
         return ray.get([w.info.remote() for w in self.workers], timeout=self.timeout_s)
 
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
-        assert not self._active, "one generate() at a time"
+        if self._active:  # a real check: python -O keeps it
+            raise RuntimeError("one generate() at a time")
         self._active = True
         call = self._calls = self._calls + 1
         streams: dict = {}
@@ -225,7 +226,8 @@ class RayEngine(Engine):
                 pinged[w] = (silent[w], self.workers[w].info.remote())
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
-        assert not self._active, "update_weights during generate() would mix versions"
+        if self._active:  # a real check: python -O keeps it
+            raise RuntimeError("update_weights during generate() would mix versions")
         t = time.perf_counter()
         handle = self.sync.publish(state_dict, version)
         t_pub = time.perf_counter()

@@ -80,7 +80,8 @@ class VLLMEngine(Engine):
             logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
 
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
-        assert not self._active, "one generate() at a time"
+        if self._active:  # a real check: python -O keeps it
+            raise RuntimeError("one generate() at a time")
         self._active = True
         engine = self.llm.llm_engine
         submitted: dict[str, float] = {}
@@ -127,7 +128,8 @@ class VLLMEngine(Engine):
         raise EngineError("cannot reach the model inside vLLM (is VLLM_ENABLE_V1_MULTIPROCESSING=0?)", 0)
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
-        assert not self._active, "update_weights during generate() would mix versions"
+        if self._active:  # a real check: python -O keeps it
+            raise RuntimeError("update_weights during generate() would mix versions")
         t = time.perf_counter()
         self._model().load_weights(weights=((n, w) for n, w in state_dict.items()))
         self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
