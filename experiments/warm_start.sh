@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Warm start (SFT) of the RL policy; accuracy. 
+# Supervised warm start of the RL base policy: tokenizer, SFT, held-out accuracy.
 #   bash experiments/warm_start.sh       QUICK=1 (shorter); RESULTS_DIR (default results)
 set -euo pipefail
 cd "$(dirname "$0")/.."
