@@ -259,9 +259,9 @@ def main(argv=None) -> list[dict]:
             cfg0 = systems[1].settings
             p_mean = round(mean_prompt_tokens(cfg0), 1)
             trl = res["trl-grpo"]
-            for r in trl.runs:
-                checks += [{"setting": setting, "step": i + 1, "trl_num_tokens": a, "ours": b, "equal": a == b}
-                           for i, (a, b) in enumerate(r["token_check"])]
+            for round_, r in enumerate(trl.runs, 1):
+                checks += [{"setting": setting, "round": round_, "step": i + 1, "trl_num_tokens": a, "ours": b,
+                            "equal": a == b} for i, (a, b) in enumerate(r["token_check"])]
             for name, r in res.items():
                 mode, _, packing = name.partition("/")
                 shared = packing == "shared"
