@@ -28,7 +28,6 @@ sync-separated vs periodic-async) and figures/table2_throughput.png.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -254,8 +253,10 @@ def main(argv=None) -> list[dict]:
     try:
         for setting in plan["settings"]:
             systems = [trl_system(plan, setting, extra, runs, model_dir_of)]
-            systems += [pipeline_system(plan, setting, m, s, extra, runs, engines) for m in MODES for s in (False, True)]
-            res = measure(systems, repeats=bench["repeats"], warmup_rounds=bench["warmup_rounds"], ignore_settings=IGNORE)
+            systems += [pipeline_system(plan, setting, m, shared, extra, runs, engines)
+                        for m in MODES for shared in (False, True)]
+            res = measure(systems, repeats=bench["repeats"], warmup_rounds=bench["warmup_rounds"],
+                          ignore_settings=IGNORE)
             cfg0 = systems[1].settings
             p_mean = round(mean_prompt_tokens(cfg0), 1)
             trl = res["trl-grpo"]
@@ -303,8 +304,9 @@ def batch_effect(plan, extra, runs: Path, engines: SharedEngines) -> list[dict]:
     systems = []
     for b in be["prompts_per_iteration"]:
         for mode in be["systems"]:
-            systems.append(pipeline_system(plan, setting, mode, shared, extra + [f"algorithm.prompts_per_iteration={b}"],
-                                           runs / "batch_effect", engines, name=f"{mode}/B{b}"))
+            systems.append(pipeline_system(plan, setting, mode, shared,
+                                           extra + [f"algorithm.prompts_per_iteration={b}"], runs / "batch_effect",
+                                           engines, name=f"{mode}/B{b}"))
     res = measure(systems, repeats=bench["repeats"], warmup_rounds=bench["warmup_rounds"], ignore_settings=IGNORE)
     rows = []
     for name, r in res.items():

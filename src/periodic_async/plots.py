@@ -183,7 +183,8 @@ def plot_table2(csv_path: str | Path, out_path: str | Path, batch_csv: str | Pat
         mine = [r for r in rows if r["setting"] == setting]
         systems = list(dict.fromkeys(r["system"] for r in mine))
         for r in mine:
-            x = systems.index(r["system"]) + (0.2 if r["shared_prompt"] == "True" else -0.2) * (r["system"] != "trl-grpo")
+            offset = 0.0 if r["system"] == "trl-grpo" else (0.2 if r["shared_prompt"] == "True" else -0.2)
+            x = systems.index(r["system"]) + offset
             v, lo, hi = (float(r[k]) for k in ("speedup_vs_trl", "speedup_vs_trl_min", "speedup_vs_trl_max"))
             ax.bar(x, v, width=0.38, color="#999999" if r["system"] == "trl-grpo" else colors[r["shared_prompt"]],
                    yerr=[[max(v - lo, 0)], [max(hi - v, 0)]], capsize=2, ecolor="black")
@@ -195,10 +196,11 @@ def plot_table2(csv_path: str | Path, out_path: str | Path, batch_csv: str | Pat
         ax.tick_params(axis="y", which="both", labelsize=7)
         ax.set_xticks(range(len(systems)), systems, rotation=20, fontsize=8)
         ax.set_ylabel("trained tokens/s vs trl-grpo")
-        ax.set_title(f"{setting} (P~{float(mine[0]['mean_prompt_tokens']):.0f}, B*G={mine[0]['samples_per_iteration']})",
-                     fontsize=9, loc="left")
+        scale = f"P~{float(mine[0]['mean_prompt_tokens']):.0f}, B*G={mine[0]['samples_per_iteration']}"
+        ax.set_title(f"{setting} ({scale})", fontsize=9, loc="left")
     axes[0, 0].legend(handles=[Patch(color=colors["False"], label="per-response packing"),
-                               Patch(color=colors["True"], label="shared-prompt packing")], fontsize=7, loc="upper left")
+                               Patch(color=colors["True"], label="shared-prompt packing")],
+                      fontsize=7, loc="upper left")
     if batch:
         ax = axes[0, -1]
         for system, style in zip(dict.fromkeys(r["system"] for r in batch), ("o--", "s-", "^:")):
