@@ -173,7 +173,7 @@ def test_no_mixed_versions(model_cfg, tokenizer, ray_engine):
         v0 = engine.version
         it = engine.generate(reqs)
         first = next(it)
-        with pytest.raises(AssertionError, match="mix versions"):
+        with pytest.raises(RuntimeError, match="mix versions"):
             engine.update_weights(state, v0 + 1)
         rest = list(it)
         assert {o.version for o in [first] + rest} == {v0}
