@@ -93,7 +93,6 @@ class Consumer:
         batcher = MicroBatcher.from_config(a)
         acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
         busy_s, n_groups, steps, step_metrics = 0.0, 0, 0, []
-        received: list[Group] = []
         first_group_at = None
         for group in groups:
             if group.version != version:
@@ -101,7 +100,6 @@ class Consumer:
                                       f"sampled by version {group.version}; iteration {iteration} takes version "
                                       f"{version} only")
             first_group_at = first_group_at or time.time()
-            received.append(group)
             n_groups += 1
             if n_groups > a.prompts_per_iteration:
                 raise RuntimeError(f"iteration {iteration}: more than {a.prompts_per_iteration} groups")
