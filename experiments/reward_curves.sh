@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Reward/accuracy curves, sync-separated vs periodic-async (see reward_curves.py).
+# Reward/accuracy curves from one seed: sync-separated, periodic-async, async-offpolicy
+# (see reward_curves.py). Builds the RL base policy (experiments/rl_base.yaml) when missing.
 #   bash experiments/reward_curves.sh          QUICK=1 for a smoke run; RESULTS_DIR (default results)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export WANDB_RUN_GROUP=reward_curves   # the W&B group of this experiment's runs
-quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick model.name_or_path=artifacts/sft-quick)
-python experiments/reward_curves.py "${quick[@]}" --results "${RESULTS_DIR:-results}" "$@"
+base=artifacts/sft-rl-base; sft=(); quick=()
+if [ "${QUICK:-0}" != 0 ]; then
+  base=artifacts/sft-rl-base-quick; sft=(sft.max_steps=40 data.num_eval=50); quick=(--quick)
+fi
+if [ ! -f "$base/config.json" ]; then
+  python -m periodic_async sft --config experiments/rl_base.yaml sft.output_dir="$base" logging.progress=false "${sft[@]}"
+fi
+python experiments/reward_curves.py "${quick[@]}" model.name_or_path="$base" --results "${RESULTS_DIR:-results}" "$@"

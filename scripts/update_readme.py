@@ -30,8 +30,10 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
                      ["shared_prompt", "mode", "tokens_per_s", "speedup", "speedup_min", "speedup_max",
                       "mean_generate_s", "mean_train_s", "mean_prompt_tokens", "repeats"]),
     "reward_curves": ("reward_curves_summary.csv", "experiments/reward_curves.sh",
-                      "Held-out accuracy after RL from the warm start, sync vs async from one seed "
-                      "(curves: figures/reward_curves.png)."),
+                      "Held-out greedy accuracy (eval_n problems, ± binomial standard error) before and after "
+                      "RL from the RL base policy (experiments/rl_base.yaml), three modes from one seed; "
+                      "`max_abs_diff_vs_sync`: the largest per-iteration gap to sync-separated in training "
+                      "reward or held-out accuracy (curves: figures/reward_curves.png)."),
     "shared_prompt": ("shared_prompt.csv", "experiments/shared_prompt_ablation.sh",
                       "Shared-prompt vs per-response packing, forward+backward tokens/s; goal efficiency >= 0.85."),
     "engine": ("engine.csv", "experiments/engine_throughput.sh",

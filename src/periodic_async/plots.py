@@ -108,24 +108,47 @@ def plot_async_speedup(csv_path: str | Path, out_path: str | Path):
 
 
 def plot_reward_curves(csv_path: str | Path, out_path: str | Path):
-    """Training reward per iteration of each mode (results/reward_curves.csv), one line per mode."""
+    """results/reward_curves.csv, one line per mode: training reward per iteration (left),
+    held-out greedy accuracy with binomial standard-error bars (middle), and the staleness the
+    off-policy mode trains with, mean |ratio - 1| and clip fraction (right; 0 on-policy)."""
     import csv
 
     plt = _pyplot()
 
     rows = list(csv.DictReader(Path(csv_path).open()))
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for mode, style in (("sync-separated", "-"), ("periodic-async", "--")):
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    styles = {"sync-separated": ("-", "#4C72B0"), "periodic-async": ("--", "#C44E52"),
+              "async-offpolicy": (":", "#55A868")}
+    has_ratio = any(r.get("ratio_abs_dev") not in (None, "") for r in rows)
+    fig, axes = plt.subplots(1, 3 if has_ratio else 2, figsize=(13 if has_ratio else 9, 3.4))
+    num = lambda r, k: r.get(k) not in (None, "")  # noqa: E731
+    for i, mode in enumerate(modes):
+        ls, color = styles.get(mode, ("-.", f"C{i}"))
         mine = [r for r in rows if r["mode"] == mode]
-        its = [int(r["iteration"]) for r in mine]
-        axes[0].plot(its, [float(r["reward_mean"]) for r in mine], style, label=mode)
-        ev = [(int(r["iteration"]), float(r["eval_accuracy"])) for r in mine if r["eval_accuracy"] not in ("", None)]
+        tr = [(int(r["iteration"]), float(r["reward_mean"])) for r in mine if num(r, "reward_mean")]
+        if tr:
+            axes[0].plot(*zip(*tr), ls, color=color, lw=1.2, label=mode)
+        ev = [r for r in mine if num(r, "eval_accuracy")]
         if ev:
-            axes[1].plot(*zip(*ev), style + "o", label=mode)
-    axes[0].set(xlabel="iteration", ylabel="training reward (mean)")
-    axes[1].set(xlabel="iteration", ylabel="held-out accuracy (greedy)")
+            shift = 0.25 * (i - 1)  # side by side: identical curves would hide each other's bars
+            axes[1].errorbar([int(r["iteration"]) + shift for r in ev], [float(r["eval_accuracy"]) for r in ev],
+                             yerr=[float(r["eval_stderr"]) if num(r, "eval_stderr") else 0 for r in ev],
+                             fmt=ls + "o", color=color, ms=4, capsize=3, lw=1.2, label=mode)
+        if has_ratio:
+            st = [(int(r["iteration"]), float(r["ratio_abs_dev"]), float(r["clip_frac"]) if num(r, "clip_frac") else 0)
+                  for r in mine if num(r, "ratio_abs_dev")]
+            if st:
+                its, dev, clip = zip(*st)
+                axes[2].plot(its, dev, ls, color=color, lw=1.2, label=f"{mode}: mean |ratio - 1|")
+                if max(clip) > 0:
+                    axes[2].plot(its, clip, ls, color=color, lw=0.8, alpha=0.5, label=f"{mode}: clip fraction")
+    axes[0].set(xlabel="iteration", ylabel="training reward (mean of B x G samples)")
+    n = next((r["eval_n"] for r in rows if num(r, "eval_n")), "?")
+    axes[1].set(xlabel="iteration (optimizer steps done)", ylabel=f"held-out accuracy, greedy (n={n}, ±1 s.e.)")
+    if has_ratio:
+        axes[2].set(xlabel="iteration", ylabel="importance ratio vs behaviour policy")
     for ax in axes:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, out_path)
 
