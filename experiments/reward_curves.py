@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 from periodic_async.config import ConfigError, PipelineConfig, RunConfig, load_config
+from periodic_async.model import PRESETS
 from periodic_async.pipeline import run
 from periodic_async.plots import plot_reward_curves
 from periodic_async.trace import read_jsonl
@@ -127,7 +128,7 @@ def main(argv=None) -> None:
     args = ap.parse_intermixed_args(argv)
     extra = (QUICK if args.quick else []) + list(args.overrides)
     base = load_config(RunConfig, HERE / "reward_curves.yaml", extra)
-    if not Path(base.model.name_or_path).is_dir():
+    if not Path(base.model.name_or_path).is_dir() and base.model.name_or_path not in PRESETS:
         raise SystemExit(f"{base.model.name_or_path} does not exist: run `bash experiments/reward_curves.sh`, "
                          "which builds it with experiments/rl_base.yaml")
     rows, summary, outs = {}, [], {}
