@@ -43,3 +43,32 @@ def test_shared_async_quick(tmp_path, tokenizer_dir):
     assert [r["mode"] for r in rows] == ["sync-separated", "periodic-async"] * 2 + ["product"]
     shared_sync = next(r for r in rows if r["shared_prompt"] == "True" and r["mode"] == "sync-separated")
     assert float(shared_sync["speedup"]) > 1.0  # 4-shot prompts: packing the prompt once must pay
+
+
+@pytest.mark.slow
+def test_reward_curves_quick(tmp_path, tokenizer_dir):
+    """Three modes from one seed; the summary has the columns the README and notebook read."""
+    _script("reward_curves").main(["--quick", "--results", str(tmp_path), "--runs", str(tmp_path / "runs"),
+                                   "--figures", str(tmp_path), "model.name_or_path=qwen2-1m",
+                                   f"model.tokenizer={tokenizer_dir}", "engine.backend=local",
+                                   "logging.wandb_mode=disabled"])
+    rows = _rows(tmp_path / "reward_curves_summary.csv")
+    assert [r["mode"] for r in rows] == ["sync-separated", "periodic-async", "async-offpolicy"]
+    assert list(rows[0])[:7] == ["mode", "eval_accuracy_start", "eval_accuracy_end", "eval_stderr", "eval_n",
+                                 "max_abs_diff_vs_sync", "tokens_per_s"]
+    assert (tmp_path / "reward_curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_table2_quick(tmp_path, tokenizer_dir):
+    """TRL and our three modes (shared prompt off and on) in both settings; TRL's own token
+    counts equal ours on every batch."""
+    pytest.importorskip("trl")
+    _script("table2_throughput").main(["--quick", "--repeats", "1", "--results", str(tmp_path), "--runs",
+                                       str(tmp_path / "runs"), "--figures", str(tmp_path),
+                                       "model.name_or_path=qwen2-1m", f"model.tokenizer={tokenizer_dir}"])
+    rows = _rows(tmp_path / "table2_throughput.csv")
+    assert {(r["setting"], r["system"], r["shared_prompt"]) for r in rows} >= {
+        ("long-prompt", "trl-grpo", "False"), ("long-prompt", "periodic-async", "True"),
+        ("short-prompt", "sync-colocated", "False"), ("short-prompt", "periodic-async", "True")}
+    assert all(r["equal"] == "True" for r in _rows(tmp_path / "table2_token_check.csv"))
