@@ -178,8 +178,10 @@ def pipeline_system(plan, setting, mode, shared, extra, runs: Path, engines: Sha
     packing = "shared" if shared else "per-response"
     name = name or f"{mode}/{packing}"
     system = plan["systems"][mode]
+    budget = system["micro_batch_tokens"][packing]
+    budget = budget[setting] if isinstance(budget, dict) else budget  # one value, or one per setting
     over = as_overrides(system["overrides"]) + [
-        f"algorithm.shared_prompt={shared}", f"algorithm.micro_batch_tokens={system['micro_batch_tokens'][packing]}",
+        f"algorithm.shared_prompt={shared}", f"algorithm.micro_batch_tokens={budget}",
         f"trainer.output_dir={runs / setting / name.replace('/', '-')}"]
     cfg = run_config(plan, setting, over + extra)
     return System(name, lambda: run(cfg, engine=engines.get(cfg)), cfg)
