@@ -2,19 +2,11 @@
 notebooks read (slow: about a minute each; `bash run_tests.sh -m slow`)."""
 
 import csv
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_exp_{name}", EXPERIMENTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rows(path: Path) -> list[dict]:
@@ -22,8 +14,8 @@ def _rows(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_async_speedup_quick(tmp_path, tokenizer_dir):
-    _script("async_speedup").main(["--quick", "--results", str(tmp_path), "--runs", str(tmp_path / "runs"),
+def test_async_speedup_quick(tmp_path, tokenizer_dir, experiment_script):
+    experiment_script("async_speedup").main(["--quick", "--results", str(tmp_path), "--runs", str(tmp_path / "runs"),
                                    "--figures", str(tmp_path), "model.name_or_path=qwen2-1m",
                                    f"model.tokenizer={tokenizer_dir}", "logging.wandb_mode=disabled"])
     rows = {r["mode"]: r for r in _rows(tmp_path / "async_speedup.csv")}
@@ -35,8 +27,8 @@ def test_async_speedup_quick(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.slow
-def test_shared_async_quick(tmp_path, tokenizer_dir):
-    _script("shared_async").main(["--quick", "--results", str(tmp_path), "--runs", str(tmp_path / "runs"),
+def test_shared_async_quick(tmp_path, tokenizer_dir, experiment_script):
+    experiment_script("shared_async").main(["--quick", "--results", str(tmp_path), "--runs", str(tmp_path / "runs"),
                                   "model.name_or_path=qwen2-1m", f"model.tokenizer={tokenizer_dir}",
                                   "logging.wandb_mode=disabled"])
     rows = _rows(tmp_path / "shared_async.csv")
@@ -46,9 +38,9 @@ def test_shared_async_quick(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.slow
-def test_reward_curves_quick(tmp_path, tokenizer_dir):
+def test_reward_curves_quick(tmp_path, tokenizer_dir, experiment_script):
     """Three modes from one seed; the summary has the columns the README and notebook read."""
-    _script("reward_curves").main(["--quick", "--results", str(tmp_path), "--runs", str(tmp_path / "runs"),
+    experiment_script("reward_curves").main(["--quick", "--results", str(tmp_path), "--runs", str(tmp_path / "runs"),
                                    "--figures", str(tmp_path), "model.name_or_path=qwen2-1m",
                                    f"model.tokenizer={tokenizer_dir}", "engine.backend=local",
                                    "logging.wandb_mode=disabled"])
@@ -60,11 +52,11 @@ def test_reward_curves_quick(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.slow
-def test_table2_quick(tmp_path, tokenizer_dir):
+def test_table2_quick(tmp_path, tokenizer_dir, experiment_script):
     """TRL and our three modes (shared prompt off and on) in both settings; TRL's own token
     counts equal ours on every batch."""
     pytest.importorskip("trl")
-    _script("table2_throughput").main(["--quick", "--repeats", "1", "--results", str(tmp_path), "--runs",
+    experiment_script("table2_throughput").main(["--quick", "--repeats", "1", "--results", str(tmp_path), "--runs",
                                        str(tmp_path / "runs"), "--figures", str(tmp_path),
                                        "model.name_or_path=qwen2-1m", f"model.tokenizer={tokenizer_dir}"])
     rows = _rows(tmp_path / "table2_throughput.csv")
