@@ -2,9 +2,6 @@
 traces and rollouts whose answers are known (the scripts themselves run in minutes)."""
 
 
-
-
-
 def _gen(request: str, start: float, end: float) -> dict:
     return {"name": "generate", "track": "worker0/slot00", "start": start, "dur": end - start,
             "args": {"request": request, "prompt": 7}}
