@@ -137,6 +137,15 @@ class EngineConfig:
     """Address of an existing Ray cluster; empty starts Ray locally."""
     timeout_s: float = 600.0
     """A worker that returns nothing for this long is declared dead."""
+    restart_workers: int = 0
+    """Ray backend: how many times in a run a dead worker (its process gone) is replaced by a
+    new one, loaded with the current version, that serves the dead one's unfinished requests
+    again (same per-sample seeds: same tokens). 0: a dead worker stops the run (EngineError)."""
+    num_workers_schedule: dict[int, int] = field(default_factory=dict)
+    """Ray backend: {version: workers}, elastic engines. At the barrier that pushes version v
+    (the iteration boundary before iteration v in the on-policy modes) the engine grows or
+    shrinks to the count of the largest key <= v, new workers loaded with v before any request;
+    before the first key it runs `num_workers`. Example: {2: 3, 10: 1}."""
 
     def __post_init__(self) -> None:
         _check(self.backend in ("local", "ray", "vllm"), "engine", "backend", self.backend,
@@ -149,6 +158,12 @@ class EngineConfig:
         _check(0 < self.top_p <= 1, "engine", "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k >= 0, "engine", "top_k", self.top_k, "must be >= 0")
         _check(self.timeout_s > 0, "engine", "timeout_s", self.timeout_s, "must be > 0")
+        _check(self.restart_workers >= 0, "engine", "restart_workers", self.restart_workers, "must be >= 0")
+        for version, workers in self.num_workers_schedule.items():
+            _check(version >= 0 and workers >= 1, "engine", "num_workers_schedule", self.num_workers_schedule,
+                   f"entry {version}: {workers}: needs version >= 0 and workers >= 1")
+        _check(self.backend == "ray" or not (self.restart_workers or self.num_workers_schedule), "engine",
+               "backend", self.backend, "restart_workers and num_workers_schedule need the ray backend")
 
 
 @dataclass
@@ -341,6 +356,11 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         if value is None or value == "None":
             return None
         return _convert(value, args[0], where)
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}={value!r}: expected a mapping, e.g. {{2: 3}}")
+        return {_convert(k, key_tp, where): _convert(v, value_tp, where) for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):
