@@ -52,3 +52,24 @@ def test_save_run_info_round_trips(tmp_path):
     again = load_config(RunConfig, out / "config.yaml")
     assert again == cfg
     assert "git_commit" in (out / "run_info.json").read_text()
+
+
+def test_saved_run_info_has_no_secrets(tmp_path, monkeypatch):
+    """Secret environment values (WANDB_API_KEY, HF_TOKEN, *SECRET*, *PASSWORD*) never reach
+    config.yaml or run_info.json, even pasted into a config value; other values are kept."""
+    secrets = {"WANDB_API_KEY": "wandb-0123456789abcdef", "HF_TOKEN": "hf_TopSecretToken42",
+               "MY_DB_PASSWORD": "correct-horse-battery", "SOME_SECRET": "s3cr3t-value-99"}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # a short value is not a secret: kept
+    cfg = load_config(RunConfig, None, [f"engine.ray_address=ray://me:{secrets['MY_DB_PASSWORD']}@head:10001",
+                                        f"logging.wandb_project={secrets['HF_TOKEN']}-proj",
+                                        f"trainer.output_dir={tmp_path / 'run'}"])
+    out = save_run_info(cfg, tmp_path / "run")
+    text = "".join(p.read_text() for p in sorted(out.iterdir()))
+    for v in secrets.values():
+        assert v not in text
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["engine"]["ray_address"] == "ray://me:<redacted>@head:10001"
+    assert saved["logging"]["wandb_project"] == "<redacted>-proj"
+    assert saved["engine"]["max_tokens"] == cfg.engine.max_tokens and saved["pipeline"]["mode"] == "periodic-async"

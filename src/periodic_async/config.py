@@ -3,7 +3,8 @@
 Every field carries a docstring-comment; every section validates itself in `__post_init__`
 and raises `ConfigError` naming the field (``section.field``) and the bad value. A run
 saves its resolved config and the git commit beside its outputs (`save_run_info`), so a
-number in a table can always be traced back to the exact settings that produced it.
+number in a table can always be traced back to the exact settings that produced it; what
+it saves never carries the value of a secret environment variable (`redact_secrets`).
 
 Usage::
 
@@ -14,9 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import subprocess
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,7 +28,13 @@ from typing import Any, TypeVar
 import yaml
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Something the user gave is wrong (config, data, reward code, a path): the message says
+    what and where. The command line prints it in one line, without a traceback (`--debug`
+    shows it). Subclasses: `ConfigError`, `data.DataError`, `reward.RewardError`."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value is invalid; the message names the field and the value."""
 
 
@@ -84,6 +94,10 @@ class DataConfig:
     """Synthetic difficulty: largest operand (operands are drawn from 1..max_operand)."""
     few_shot: int = 0
     """Solved examples put before each question (long prompts, the paper's shared-prompt setting)."""
+    skip_too_long: bool = False
+    """A prompt (few-shot prefix and chat template included) whose tokens + engine.max_tokens
+    exceed the model's context (max_position_embeddings): False stops at start-up with an error
+    naming the example; True skips such examples and reports how many."""
 
     def __post_init__(self) -> None:
         _check(bool(self.source), "data", "source", self.source, "must not be empty")
@@ -104,9 +118,15 @@ class RewardConfig:
     'package.module:function' or 'path/to/file.py:function'. Their weighted sum is the reward."""
     weights: list[float] = field(default_factory=lambda: [1.0])
     """One weight per reward function."""
+    timeout_s: float = 300.0
+    """Wall-clock bound of one call of a user reward function (one group). User functions (any
+    not in periodic_async.reward) run in a worker process; one that overruns is killed and the
+    run stops with an error naming it and the group. 0: run them in the producer thread,
+    unbounded (for functions that cannot run in another process)."""
 
     def __post_init__(self) -> None:
         _check(len(self.functions) > 0, "reward", "functions", self.functions, "need at least one")
+        _check(self.timeout_s >= 0, "reward", "timeout_s", self.timeout_s, "must be >= 0 (0: no bound)")
         _check(len(self.weights) == len(self.functions), "reward", "weights", self.weights,
                f"need one weight per function ({len(self.functions)})")
         for f in self.functions:
@@ -443,10 +463,38 @@ def git_commit() -> str:
         return "unknown"
 
 
+_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Values of the environment variables whose names look secret (*TOKEN*, *KEY*, *SECRET*,
+    *PASSWORD*, *CREDENTIAL*: WANDB_API_KEY, HF_TOKEN, ...), 8 characters or more, longest first."""
+    env = os.environ if environ is None else environ
+    return sorted({v for k, v in env.items() if _SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
+
+
+def redact_secrets(obj: Any, secrets: list[str] | None = None) -> Any:
+    """`obj` (nested dicts, lists and strings) with every secret environment value (`secret_values`)
+    replaced by '<redacted>': what a run writes never carries a token, even one pasted into a
+    config value (a cluster address with a password, say)."""
+    secrets = secret_values() if secrets is None else secrets
+    if isinstance(obj, str):
+        for v in secrets:
+            obj = obj.replace(v, REDACTED)
+        return obj
+    if isinstance(obj, dict):
+        return {redact_secrets(k, secrets): redact_secrets(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact_secrets(v, secrets) for v in obj]
+    return obj
+
+
 def save_run_info(cfg: Any, out_dir: str | Path) -> Path:
-    """Write `config.yaml` (resolved) and `run_info.json` (git commit) into `out_dir`."""
+    """Write `config.yaml` (resolved) and `run_info.json` (git commit) into `out_dir`, both
+    through `redact_secrets`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    (out / "run_info.json").write_text(json.dumps({"git_commit": git_commit()}, indent=2))
+    (out / "config.yaml").write_text(yaml.safe_dump(redact_secrets(dataclasses.asdict(cfg)), sort_keys=False))
+    (out / "run_info.json").write_text(json.dumps(redact_secrets({"git_commit": git_commit()}), indent=2))
     return out

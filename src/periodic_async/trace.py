@@ -86,7 +86,9 @@ class MetricsLogger:
                 wandb = None
             if wandb is not None:
                 os.environ.setdefault("WANDB_SILENT", "true")
-                cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+                from periodic_async.config import redact_secrets  # W&B saves the config: no tokens in it
+
+                cfg = redact_secrets(dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config)
                 group = group or getattr(getattr(config, "logging", None), "wandb_group", "") or \
                     os.environ.get("WANDB_RUN_GROUP") or None
                 mode_name = getattr(getattr(config, "pipeline", None), "mode", None)
