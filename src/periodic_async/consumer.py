@@ -22,7 +22,7 @@ from typing import Iterable
 
 import torch
 
-from periodic_async import grpo
+from periodic_async import grpo, interrupt
 from periodic_async.batching import MicroBatcher
 from periodic_async.config import RunConfig
 from periodic_async.group import Group
@@ -79,6 +79,10 @@ class Consumer:
         self.tracer = tracer or Tracer(enabled=False)
         self.device = next(policy.parameters()).device
         self.dtype = next(policy.parameters()).dtype
+        self.version = 0
+        """The policy's version: iterations whose optimizer steps are all taken. It changes with the
+        step (signals deferred), so it always labels the weights; `checkpoint.load` restores it."""
+        self._micro_losses: list[tuple[str, torch.Tensor]] = []
 
     def train_iteration(self, groups: Iterable[Group], iteration: int, version: int,
                         engines_idle: threading.Event | None = None) -> dict[str, float]:
@@ -93,6 +97,7 @@ class Consumer:
         batcher = MicroBatcher.from_config(a)
         acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
         busy_s, n_groups, steps, step_metrics = 0.0, 0, 0, []
+        self._micro_losses = []
         first_group_at = None
         for group in groups:
             if group.version != version:
@@ -111,12 +116,16 @@ class Consumer:
                 threads.update()
                 for mb in batcher.flush():
                     self._micro_step(mb, acc, iteration)
-                with self.tracer.span("optimizer_step", "trainer", iteration=iteration):
+                with self.tracer.span("optimizer_step", "trainer", iteration=iteration), interrupt.deferred():
                     try:
                         step_metrics.append(self.tri.optimizer_step(self.optimizer, acc))
                     except FloatingPointError as e:
-                        raise FloatingPointError(f"iteration {iteration}, optimizer step {steps}: {e}") from e
+                        raise FloatingPointError(f"iteration {iteration}, optimizer step {steps}"
+                                                 f"{self._non_finite_micro_batch()}: {e}") from e
                     self.scheduler.step()
+                    self._micro_losses = []
+                    if n_groups == a.prompts_per_iteration:
+                        self.version = iteration + 1
                 steps += 1
                 acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
             busy_s += time.time() - t0
@@ -133,7 +142,16 @@ class Consumer:
         with self.tracer.span("micro_step", "trainer", iteration=iteration, samples=mb.num_samples,
                               tokens=mb.num_packed_tokens(self.cfg.algorithm.shared_prompt)):
             inputs = mb.build(shared=self.cfg.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
-            self.tri.micro_step(inputs, acc)
+            sums = self.tri.micro_step(inputs, acc)
+            prompts = sorted({s.group.prompt_index for s in mb.slices})
+            self._micro_losses.append((f"micro-batch {len(self._micro_losses)} (prompts {prompts})", sums["loss"]))
+
+    def _non_finite_micro_batch(self) -> str:
+        """', <the first micro-batch of the step whose loss sum is not finite>' (checked only
+        after a failed step: no device sync per micro-step)."""
+        bad = [name for name, loss in self._micro_losses if not bool(torch.isfinite(loss))]
+        self._micro_losses = []
+        return f", {bad[0]}" if bad else ", no micro-batch with a non-finite loss sum"
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights as the engines hold them: in `model.dtype` (half precision
