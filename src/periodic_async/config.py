@@ -265,13 +265,16 @@ class TrainerConfig:
     output_dir: str = "runs/default"
     """Where the run writes config, metrics, trace and checkpoints."""
     save_every: int = 0
-    """Save a checkpoint every N iterations (0: only at the end)."""
+    """Save a checkpoint every N iterations (0: only at the end, and after a failure or signal)."""
+    keep_last: int = 2
+    """Complete checkpoints kept (`checkpoint-<iteration>` directories, newest last; see checkpoint.py)."""
     eval_every: int = 0
     """Evaluate on the held-out set every N iterations (0: never during training)."""
     eval_at_end: bool = True
     """Evaluate the final policy on the held-out set (greedy)."""
     resume: str = ""
-    """Checkpoint directory to resume from; 'auto' = <output_dir>/checkpoint if it exists."""
+    """Checkpoint directory to resume from; 'auto' = the newest complete <output_dir>/checkpoint-<t>
+    if there is one (else a fresh start)."""
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 0, "trainer", "iterations", self.iterations, "must be >= 0")
@@ -279,6 +282,7 @@ class TrainerConfig:
         _check(self.threads_after_generation >= 0, "trainer", "threads_after_generation",
                self.threads_after_generation, "must be >= 0")
         _check(self.save_every >= 0, "trainer", "save_every", self.save_every, "must be >= 0")
+        _check(self.keep_last >= 1, "trainer", "keep_last", self.keep_last, "must be >= 1")
         _check(self.eval_every >= 0, "trainer", "eval_every", self.eval_every, "must be >= 0")
 
 
