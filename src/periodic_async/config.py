@@ -166,6 +166,13 @@ class EngineConfig:
     (the iteration boundary before iteration v in the on-policy modes) the engine grows or
     shrinks to the count of the largest key <= v, new workers loaded with v before any request;
     before the first key it runs `num_workers`. Example: {2: 3, 10: 1}."""
+    weight_sync: str = "object_store"
+    """How the barrier sends the weights to Ray workers: 'object_store' (one `ray.put` of numpy
+    arrays that every worker copies) or 'collective' (the trainer and the workers join one process
+    group, gloo on CPU, nccl on CUDA, hccl on NPU, and the trainer broadcasts bucketed flat
+    tensors; engine/collective.py). Ray backend, fixed worker count."""
+    weight_sync_bucket_mb: float = 64.0
+    """collective: the largest flat tensor broadcast at once (MiB)."""
 
     def __post_init__(self) -> None:
         _check(self.backend in ("local", "ray", "vllm"), "engine", "backend", self.backend,
@@ -179,6 +186,15 @@ class EngineConfig:
         _check(self.top_k >= 0, "engine", "top_k", self.top_k, "must be >= 0")
         _check(self.timeout_s > 0, "engine", "timeout_s", self.timeout_s, "must be > 0")
         _check(self.restart_workers >= 0, "engine", "restart_workers", self.restart_workers, "must be >= 0")
+        _check(self.weight_sync in ("object_store", "collective"), "engine", "weight_sync", self.weight_sync,
+               "expected object_store or collective")
+        _check(self.weight_sync == "object_store" or (self.backend == "ray" and not self.restart_workers
+                                                      and not self.num_workers_schedule),
+               "engine", "weight_sync", self.weight_sync,
+               "collective needs engine.backend=ray with a fixed worker count (no restart_workers, "
+               "no num_workers_schedule): the process group has a fixed size")
+        _check(self.weight_sync_bucket_mb > 0, "engine", "weight_sync_bucket_mb", self.weight_sync_bucket_mb,
+               "must be > 0")
         for version, workers in self.num_workers_schedule.items():
             _check(version >= 0 and workers >= 1, "engine", "num_workers_schedule", self.num_workers_schedule,
                    f"entry {version}: {workers}: needs version >= 0 and workers >= 1")
@@ -275,6 +291,11 @@ class TrainerConfig:
     resume: str = ""
     """Checkpoint directory to resume from; 'auto' = the newest complete <output_dir>/checkpoint-<t>
     if there is one (else a fresh start)."""
+    parallel: str = "ddp"
+    """Trainer ranks under torchrun (WORLD_SIZE > 1; see distributed.py): 'ddp' (every rank holds
+    policy, old and ref whole; one gradient all-reduce per iteration) or 'fsdp' (FSDP2
+    `fully_shard` of each decoder layer and the root, the same for policy, old and ref).
+    Ignored in a single process."""
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 0, "trainer", "iterations", self.iterations, "must be >= 0")
@@ -283,6 +304,7 @@ class TrainerConfig:
                self.threads_after_generation, "must be >= 0")
         _check(self.save_every >= 0, "trainer", "save_every", self.save_every, "must be >= 0")
         _check(self.keep_last >= 1, "trainer", "keep_last", self.keep_last, "must be >= 1")
+        _check(self.parallel in ("ddp", "fsdp"), "trainer", "parallel", self.parallel, "expected ddp or fsdp")
         _check(self.eval_every >= 0, "trainer", "eval_every", self.eval_every, "must be >= 0")
 
 
