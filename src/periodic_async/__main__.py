@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_intermixed_args(argv)
     from periodic_async.config import ConfigError, RunConfig, SFTRunConfig, load_config
+    from periodic_async.interrupt import Interrupted, install
 
+    install()  # SIGINT / SIGTERM stop the run cleanly (checkpoint saved, engines and Ray closed)
     try:
         if args.command == "train":
             from periodic_async.pipeline import run
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
             summary = {k: v for k, v in r.items() if k != "samples"}
     except ConfigError as e:
         parser.exit(2, f"config error: {e}\n")
+    except Interrupted as e:  # what was started is released; the last completed iteration is saved
+        parser.exit(e.exit_code, f"{args.command}: {e}\n")
     print(json.dumps(summary, indent=2))
 
 

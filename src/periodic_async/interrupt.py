@@ -1,6 +1,6 @@
 """Stopping on SIGINT / SIGTERM the way a failure stops a run: cleanly, keeping what was trained.
 
-`handle_signals()` (the CLI installs it, in the main thread only) turns SIGINT and SIGTERM
+`install()` (the CLI calls it, in the main thread only) turns SIGINT and SIGTERM
 into `Interrupted`, a KeyboardInterrupt raised in the main thread. `pipeline.run`'s failure
 path then runs as for any exception: it saves the checkpoint of the last completed iteration,
 stops the producer thread, closes the engines (Ray is shut down when the run started it), the
@@ -9,7 +9,7 @@ W&B run and the progress bar. The CLI exits with 128 + the signal number (130 fo
 
 Inside `deferred()` a signal waits for the block to end: the optimizer step and the version
 that labels it change together, and a checkpoint is not left half written by our own hand.
-Without `handle_signals()` (library use, tests) both are no-ops and Python's defaults apply.
+Without `install()` / `handle_signals()` (library use) nothing changes: Python's defaults apply.
 """
 
 from __future__ import annotations
@@ -54,13 +54,20 @@ def _handler(signum: int, frame) -> None:
     raise Interrupted(signum)
 
 
-@contextlib.contextmanager
-def handle_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM raise `Interrupted` in the main thread while the block runs."""
+def install() -> dict:
+    """From now on SIGINT and SIGTERM raise `Interrupted` in the main thread (the CLI calls it
+    once); returns the previous handlers."""
     if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("handle_signals: signal handlers can only be installed in the main thread")
+        raise RuntimeError("interrupt.install: signal handlers can only be installed in the main thread")
     previous = {s: signal.signal(s, _handler) for s in SIGNALS}
     _State.installed, _State.pending, _State.raised = True, None, False
+    return previous
+
+
+@contextlib.contextmanager
+def handle_signals() -> Iterator[None]:
+    """`install()` for the duration of the block, then the previous handlers again."""
+    previous = install()
     try:
         yield
     finally:
