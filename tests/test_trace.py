@@ -24,6 +24,27 @@ def test_tracer_writes_sorted_jsonl_and_chrome_trace(tmp_path):
     assert [(e["ts"], e["dur"]) for e in spans] == [(0.0, 2e6), (1e6, 0.5e6)]  # microseconds from the first
 
 
+
+def test_tracer_streams_spans_to_disk(tmp_path):
+    """With a path every span is on disk as soon as it is added and none is kept in memory (a
+    long run's trace does not grow the trainer); write() exports the Chrome trace from the file,
+    and spans added after it (a resumed run) are appended."""
+    path = tmp_path / "run" / "trace.jsonl"
+    tracer = Tracer(path=path)
+    tracer.add("micro_step", "trainer", 2.0, 2.5, group=1)
+    tracer.add("generate", "worker0/slot00", 1.0, 3.0, prompt=4)
+    assert [e["name"] for e in read_jsonl(path)] == ["micro_step", "generate"]  # on disk, recording order
+    assert tracer.events == []
+    jsonl, chrome = tracer.write(tmp_path / "run")
+    assert jsonl == path
+    trace = json.loads(chrome.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in trace if e["ph"] == "M"} == {"trainer", "worker0/slot00"}
+    assert sorted((e["ts"], e["dur"]) for e in trace if e["ph"] == "X") == [(0.0, 2e6), (1e6, 0.5e6)]
+    tracer.add("weight_sync", "trainer", 4.0, 4.5, version=1)
+    tracer.write(tmp_path / "run")
+    assert [e["name"] for e in read_jsonl(path)] == ["micro_step", "generate", "weight_sync"]
+    assert len([e for e in json.loads(chrome.read_text())["traceEvents"] if e["ph"] == "X"]) == 3
+
 def _wandb_log(run_dir: Path, needle: bytes) -> bytes:
     """The run's log once it holds `needle` (the wandb service may still be writing it)."""
     (log,) = run_dir.glob("*.wandb")

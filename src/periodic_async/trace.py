@@ -1,9 +1,10 @@
 """Timeline events and metrics: the evidence of every speed claim.
 
 - `Tracer` records spans (name, track, start, duration, args) from any thread: per request
-  (worker, slot, admitted, finished), per micro-step, optimizer step, weight sync. It writes
-  `trace.jsonl` and a Chrome trace (`trace.chrome.json`, open in chrome://tracing or
-  Perfetto). `plots.plot_timeline` draws the paper's Figure 1 from these files.
+  (worker, slot, admitted, finished), per micro-step, optimizer step, weight sync. Given a
+  path (pipeline runs) it streams them to `trace.jsonl` as they happen, so a long run holds
+  none in memory, and exports a Chrome trace (`trace.chrome.json`, open in chrome://tracing
+  or Perfetto). `plots.plot_timeline` draws the paper's Figure 1 from these files.
 - `MetricsLogger` writes one JSON line per logged step to `metrics.jsonl` and mirrors it to
   Weights & Biases (offline by default; `logging.wandb_mode=online` to sync), one W&B run
   per pipeline run, grouped by experiment (`logging.wandb_group` or `WANDB_RUN_GROUP`).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import threading
 import time
 from contextlib import contextmanager
@@ -25,17 +27,34 @@ from typing import Any, Iterator
 
 
 class Tracer:
-    """Thread-safe span recorder. `enabled=False` makes every call a no-op."""
+    """Thread-safe span recorder. `enabled=False` makes every call a no-op.
 
-    def __init__(self, enabled: bool = True) -> None:
+    With `path` (what a pipeline run uses) each span is appended to that JSON-lines file as it
+    is recorded, in recording order, and flushed: a run of any length holds no span in memory,
+    and a run that dies leaves its timeline on disk (a resumed run appends to it). Without
+    `path` the spans stay in `events` until `write`, which then writes them sorted by start.
+    `write` also exports the Chrome trace, streaming from the JSON-lines file."""
+
+    def __init__(self, enabled: bool = True, path: str | Path | None = None) -> None:
         self.enabled = enabled
+        self.path = Path(path) if path is not None else None
         self.events: list[dict[str, Any]] = []
+        self._file = None
         self._lock = threading.Lock()
 
     def add(self, name: str, track: str, start: float, end: float, **args: Any) -> None:
-        if self.enabled:
-            with self._lock:
-                self.events.append({"name": name, "track": track, "start": start, "dur": end - start, "args": args})
+        if not self.enabled:
+            return
+        event = {"name": name, "track": track, "start": start, "dur": end - start, "args": args}
+        with self._lock:
+            if self.path is None:
+                self.events.append(event)
+                return
+            if self._file is None:  # opened on the first span: a fresh run removes the old file first
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a")
+            self._file.write(json.dumps(event) + "\n")
+            self._file.flush()
 
     @contextmanager
     def span(self, name: str, track: str, **args: Any) -> Iterator[dict[str, Any]]:
@@ -45,21 +64,53 @@ class Tracer:
         self.add(name, track, t0, time.time(), **args)
 
     def write(self, out_dir: str | Path) -> tuple[Path, Path]:
+        """<out_dir>/trace.jsonl (the streamed file, copied if it lives elsewhere) and
+        <out_dir>/trace.chrome.json. Spans added later are appended to the stream again."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            events = sorted(self.events, key=lambda e: e["start"])
         jsonl = out / "trace.jsonl"
-        jsonl.write_text("".join(json.dumps(e) + "\n" for e in events))
-        t_min = events[0]["start"] if events else 0.0
-        tids = {track: i for i, track in enumerate(sorted({e["track"] for e in events}))}
-        chrome = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": track}}
-                  for track, t in tids.items()]
-        chrome += [{"name": e["name"], "ph": "X", "pid": 0, "tid": tids[e["track"]],
-                    "ts": (e["start"] - t_min) * 1e6, "dur": e["dur"] * 1e6, "args": e["args"]} for e in events]
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            if self.path is None:
+                events = sorted(self.events, key=lambda e: e["start"])
+                jsonl.write_text("".join(json.dumps(e) + "\n" for e in events))
+            elif not self.path.exists():
+                jsonl.touch()
+            elif self.path.resolve() != jsonl.resolve():
+                shutil.copyfile(self.path, jsonl)
         chrome_path = out / "trace.chrome.json"
-        chrome_path.write_text(json.dumps({"traceEvents": chrome}))
+        _write_chrome(jsonl, chrome_path)
         return jsonl, chrome_path
+
+
+def _write_chrome(jsonl: Path, chrome_path: Path) -> None:
+    """The Chrome trace of a trace.jsonl, in two streaming passes (tracks and start, then spans):
+    memory independent of the run's length."""
+    t_min, tracks = None, set()
+    with jsonl.open() as f:
+        for line in f:
+            if line.strip():
+                e = json.loads(line)
+                t_min = e["start"] if t_min is None else min(t_min, e["start"])
+                tracks.add(e["track"])
+    tids = {track: i for i, track in enumerate(sorted(tracks))}
+    with chrome_path.open("w") as out, jsonl.open() as f:
+        out.write('{"traceEvents": [')
+        first = True
+        for track, t in tids.items():
+            out.write(("" if first else ", ") + json.dumps({"name": "thread_name", "ph": "M", "pid": 0, "tid": t,
+                                                            "args": {"name": track}}))
+            first = False
+        for line in f:
+            if line.strip():
+                e = json.loads(line)
+                out.write(("" if first else ", ") + json.dumps(
+                    {"name": e["name"], "ph": "X", "pid": 0, "tid": tids[e["track"]], "ts": (e["start"] - t_min) * 1e6,
+                     "dur": e["dur"] * 1e6, "args": e["args"]}))
+                first = False
+        out.write("]}")
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
