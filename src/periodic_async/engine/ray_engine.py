@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -48,11 +49,17 @@ def init_ray(engine_cfg) -> bool:
     # generation). Inference workers are the job, not background work: same priority.
     os.environ.setdefault("RAY_worker_niceness", "0")
     common = dict(log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": _offline_env()})
+    # ray.init replaces the driver's SIGTERM handler with sys.exit: keep the caller's (the CLI's
+    # `interrupt.install`, which stops the run cleanly and saves its checkpoint).
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
     if engine_cfg.ray_address:
         ray.init(address=engine_cfg.ray_address, **common)
     else:
         need = engine_cfg.num_workers * engine_cfg.threads_per_worker
         ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, **common)
+    if callable(sigterm):
+        signal.signal(signal.SIGTERM, sigterm)
     return True
 
 
