@@ -12,6 +12,10 @@ on-policy modes, t-1 in the off-policy baseline); a group of any other version r
 With `optimizer_steps_per_iteration = k > 1` the iteration is cut into k mini-batches of
 B/k groups *in arrival order*, each followed by a step: a documented departure that breaks
 the sync/async equivalence (the mini-batches then depend on completion order).
+
+Trainer ranks (`distributed.Ranks`, under torchrun): each rank trains the groups it claims, and
+once its stream ends the ranks reduce gradient sums and counts together and take the one
+optimizer step of the iteration (see distributed.py); a single process is `Ranks()`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch
 
 from periodic_async import grpo, interrupt
 from periodic_async.batching import MicroBatcher
+from periodic_async.batching import split_groups
 from periodic_async.config import RunConfig
+from periodic_async.distributed import Ranks
 from periodic_async.group import Group
 from periodic_async.model import resolve_dtype
 from periodic_async.trace import Tracer
@@ -55,9 +61,14 @@ class _Threads:
 class Consumer:
     """Owns the policy, its tri-model and optimizer. `train_iteration` is one iteration."""
 
-    def __init__(self, policy: torch.nn.Module, cfg: RunConfig, tracer: Tracer | None = None) -> None:
+    def __init__(self, policy: torch.nn.Module, cfg: RunConfig, tracer: Tracer | None = None,
+                 ranks: Ranks | None = None) -> None:
         self.policy, self.cfg = policy, cfg
+        self.ranks = ranks or Ranks()
         a = cfg.algorithm
+        if self.ranks.distributed and a.optimizer_steps_per_iteration != 1:
+            raise ValueError(f"algorithm.optimizer_steps_per_iteration={a.optimizer_steps_per_iteration}: trainer "
+                             "ranks take one optimizer step per iteration")
         if a.prompts_per_iteration % a.optimizer_steps_per_iteration:
             raise ValueError(f"algorithm.optimizer_steps_per_iteration={a.optimizer_steps_per_iteration} must divide "
                              f"algorithm.prompts_per_iteration={a.prompts_per_iteration}")
@@ -72,7 +83,7 @@ class Consumer:
         self.tri = TriModel(policy, a, logprob_kwargs={"backend": a.attention_backend,
                                                        "temperature": cfg.engine.temperature},
                             old_from_behaviour=cfg.pipeline.mode == "async-offpolicy",
-                            autocast_dtype=self.model_dtype if half else None)
+                            autocast_dtype=self.model_dtype if half else None, layout=self.ranks.layout)
         self.optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=a.lr,
                                            weight_decay=a.weight_decay, betas=(0.9, 0.999))
         self.scheduler = lr_scheduler(self.optimizer, a, cfg.trainer.iterations * a.optimizer_steps_per_iteration)
@@ -99,6 +110,7 @@ class Consumer:
         busy_s, n_groups, steps, step_metrics = 0.0, 0, 0, []
         self._micro_losses = []
         first_group_at = None
+        local_steps = not self.ranks.distributed  # ranks: one step, once every rank's stream has ended
         for group in groups:
             if group.version != version:
                 raise StaleGroupError(f"group of prompt {group.prompt_index} (iteration {group.iteration}) was "
@@ -112,22 +124,24 @@ class Consumer:
             threads.update()
             for mb in batcher.add(group):
                 self._micro_step(mb, acc, iteration)
-            if n_groups % per_step == 0:
+            if local_steps and n_groups % per_step == 0:
                 threads.update()
                 for mb in batcher.flush():
                     self._micro_step(mb, acc, iteration)
-                with self.tracer.span("optimizer_step", "trainer", iteration=iteration), interrupt.deferred():
-                    try:
-                        step_metrics.append(self.tri.optimizer_step(self.optimizer, acc))
-                    except FloatingPointError as e:
-                        raise FloatingPointError(f"iteration {iteration}, optimizer step {steps}"
-                                                 f"{self._non_finite_micro_batch()}: {e}") from e
-                    self.scheduler.step()
-                    self._micro_losses = []
-                    if n_groups == a.prompts_per_iteration:
-                        self.version = iteration + 1
+                step_metrics.append(self._optimizer_step(acc, iteration, steps, n_groups == a.prompts_per_iteration))
                 steps += 1
                 acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
+            busy_s += time.time() - t0
+        if not local_steps:
+            t0 = time.time()
+            for mb in batcher.flush():
+                self._micro_step(mb, acc, iteration)
+            while self.ranks.lockstep and self.ranks.agree(False):  # another rank still has a micro-batch
+                self._zero_micro_step(iteration)
+            n_groups = self.ranks.reduce_iteration(self.policy.parameters(), acc, n_groups)
+            if n_groups == a.prompts_per_iteration:
+                step_metrics.append(self._optimizer_step(acc, iteration, steps, True))
+                steps += 1
             busy_s += time.time() - t0
         threads.reset()
         if n_groups != a.prompts_per_iteration:
@@ -138,7 +152,34 @@ class Consumer:
                  threads_raised_at=threads.raised_at)
         return m
 
+    def _optimizer_step(self, acc: grpo.LossAccumulator, iteration: int, step: int, last: bool) -> dict[str, float]:
+        """Normalise once, clip, step (signals deferred); the last step of the iteration sets the version."""
+        with self.tracer.span("optimizer_step", "trainer", iteration=iteration), interrupt.deferred():
+            try:
+                metrics = self.tri.optimizer_step(self.optimizer, acc)
+            except FloatingPointError as e:
+                raise FloatingPointError(f"iteration {iteration}, optimizer step {step}"
+                                         f"{self._non_finite_micro_batch()}: {e}") from e
+            self.scheduler.step()
+            self._micro_losses = []
+            if last:
+                self.version = iteration + 1
+        return metrics
+
+    def _zero_micro_step(self, iteration: int) -> None:
+        """FSDP lock-step: a forward and backward with zero weight (a 2-token stand-in group), so
+        this rank joins the collectives of another rank's micro-step and adds nothing."""
+        stand_in = Group(prompt_index=-1, iteration=iteration, version=-1, prompt_ids=[0], response_ids=[[0]],
+                         behaviour_logprobs=[[0.0]], rewards=[0.0], advantages=[0.0])
+        (mb,) = split_groups([stand_in], shared=self.cfg.algorithm.shared_prompt)
+        inputs = mb.build(shared=self.cfg.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
+        with self.tracer.span("micro_step", "trainer", iteration=iteration, samples=0, tokens=0):
+            out = self.tri.forward(inputs.packed, with_entropy=False)
+            (out.policy_N.sum() * 0.0).backward()
+
     def _micro_step(self, mb, acc: grpo.LossAccumulator, iteration: int) -> None:
+        if self.ranks.lockstep:
+            self.ranks.agree(True)
         with self.tracer.span("micro_step", "trainer", iteration=iteration, samples=mb.num_samples,
                               tokens=mb.num_packed_tokens(self.cfg.algorithm.shared_prompt)):
             inputs = mb.build(shared=self.cfg.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
@@ -156,7 +197,8 @@ class Consumer:
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights as the engines hold them: in `model.dtype` (half precision
         when training mixed; the float32 masters stay here)."""
-        return {n: t.detach().to(self.model_dtype) for n, t in self.policy.state_dict().items()}
+        state = self.ranks.full_state_dict(self.policy)  # fsdp: a gather every rank joins
+        return {n: t.detach().to(self.model_dtype) for n, t in state.items()}
 
     def state_dict(self) -> dict:
         """Optimizer, lr-scheduler (and fp16 loss-scaler) state: what a resume needs besides the weights."""

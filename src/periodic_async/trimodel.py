@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -89,6 +90,8 @@ class TriModel:
          eps_low, eps_high, max_grad_norm).
     logprob_kwargs: extra keyword arguments passed to `shared_prompt.token_logprobs` for all
          three models, e.g. {"backend": "split"}; none by default (token_logprobs' own default).
+    layout: applied in place to policy, old and ref alike after the copies are taken (trainer
+         ranks: `distributed.Ranks.layout`, e.g. FSDP2 sharding), so the three keep one layout.
     old_from_behaviour: take the old log-probs from the engines' behaviour log-probs instead
          (the off-policy mode, whose samples come from an earlier version than the policy's).
     autocast_dtype: None (the forwards run in the parameters' dtype) or torch.bfloat16 /
@@ -99,7 +102,8 @@ class TriModel:
     """
 
     def __init__(self, policy: torch.nn.Module, cfg, logprob_kwargs: dict | None = None,
-                 old_from_behaviour: bool = False, autocast_dtype: torch.dtype | None = None):
+                 old_from_behaviour: bool = False, autocast_dtype: torch.dtype | None = None,
+                 layout: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
         self.policy, self.cfg = policy, cfg
         if autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"TriModel: autocast_dtype={autocast_dtype}: expected None, bfloat16 or float16")
@@ -117,6 +121,10 @@ class TriModel:
         self.skip_old = (bool(cfg.skip_old_forward) and cfg.optimizer_steps_per_iteration == 1) or old_from_behaviour
         self.old = None if self.skip_old else _frozen_copy(policy)
         self.ref = _frozen_copy(policy) if cfg.beta > 0 else None
+        if layout is not None:  # the same layout for the three (distributed.Ranks.layout): refresh_old stays local
+            for model in (policy, self.old, self.ref):
+                if model is not None:
+                    layout(model)
 
     def forward(self, packed: PackedBatch, with_entropy: bool = True) -> TriLogprobs:
         """Log-probs of the three models on one packed micro-batch (same input, layout, device)."""
