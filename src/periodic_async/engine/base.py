@@ -131,6 +131,10 @@ class Engine(ABC):
     def close(self) -> None:
         """Stop the workers and free their resources."""
 
+    def stats(self) -> dict[str, float]:
+        """Counters logged with each iteration's metrics (e.g. workers, restarts); none by default."""
+        return {}
+
     def __enter__(self) -> "Engine":
         return self
 

@@ -7,7 +7,22 @@ and opens one Ray streaming generator per worker (`num_returns="streaming"`); th
 multiplexes them with `ray.wait`, so every group reaches the caller as soon as its worker
 finishes it, not per batch. Failures surface as `EngineError` naming the worker and the
 requests it still held: an actor that dies (Ray reports it on the stream, or on a liveness
-ping sent after `PING_AFTER_S` of silence), raises, or stays silent for `timeout_s`.
+ping sent after `PING_AFTER_S` of silence), raises, or stays silent for `timeout_s`. A killed
+worker process is reported on its stream at once (measured: under 0.1 s after SIGKILL).
+
+Restarts (`engine.restart_workers` > 0): a worker whose process died is replaced, at the
+same index, by a new actor that first loads the weights of the current version (the
+iteration's: every sample of iteration t still comes from version t), then gets the
+requests the dead one had not returned. Each request carries its own seed and sample k
+draws from its own generator (batcher.py), so with one torch thread per worker the re-sent
+requests give the tokens an uninterrupted run gives. Each restart is logged (worker, pids,
+re-sent request ids), kept in `restarts` and counted in `stats()`. A worker that raises or
+times out is not restarted (re-sending would fail again). The pipeline's loop knows none of it.
+
+Elastic engines: `add_workers(n)` / `remove_workers(n)` between iterations; new workers load
+the current version before any request. `engine.num_workers_schedule` ({version: workers})
+applies them at the barrier that pushes that version. Dispatch is by request, and a
+request's tokens do not depend on the worker, so resizing does not change what is sampled.
 
 Weights: `ObjectStoreSync` puts one dict of numpy arrays in the object store (numpy is read
 zero-copy by the workers, torch tensors are not: ~1 ms against 0.4-1.1 s for 256 MiB); each worker copies them into
@@ -30,6 +45,8 @@ import torch
 
 from periodic_async.engine.base import (Engine, EngineError, Request, RequestOutput, WeightSync, assign_workers,
                                         numpy_to_state, state_to_numpy)
+
+log = logging.getLogger(__name__)
 
 PING_AFTER_S = 2.0
 """A worker silent this long gets a liveness ping (a dead actor fails it at once)."""
@@ -134,29 +151,35 @@ class RayEngine(Engine):
         self._owns_ray = init_ray(engine_cfg)
         self.sync = sync or ObjectStoreSync()
         self._version = 0
+        self._weights = None  # handle of the weights of `_version`: restarted and added workers load it
         self._active = False
         self._calls = 0
         self.last_sync: dict[str, float] = {}
+        self.restarts_left = engine_cfg.restart_workers
+        self.restarts: list[dict] = []
+        """One record per restarted worker: worker, old_pid, new_pid, version, resent (request ids), reason."""
+        self._schedule = dict(sorted(engine_cfg.num_workers_schedule.items()))
         gpus = 1 if model_cfg.device.startswith("cuda") or (
             model_cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
         threads = engine_cfg.threads_per_worker
-        cpus = threads if ray.available_resources().get("CPU", 0) >= threads * engine_cfg.num_workers else 0
-        actor = ray.remote(EngineWorker).options(
-            num_cpus=cpus, num_gpus=gpus, max_concurrency=2, max_restarts=0,
+        self._actor = ray.remote(EngineWorker)
+        self._actor_options = dict(
+            num_gpus=gpus, max_concurrency=2, max_restarts=0,
             scheduling_strategy="SPREAD" if engine_cfg.ray_address else "DEFAULT",
             runtime_env={"env_vars": {**_offline_env(), "OMP_NUM_THREADS": str(threads),
                                       "TOKENIZERS_PARALLELISM": "false"}})
         cfg = _absolute_paths(model_cfg)
         if gpus:  # Ray shows each actor its own GPU as cuda:0
             cfg = dataclasses.replace(cfg, device="cuda")
-        self.workers = [actor.remote(cfg, engine_cfg.max_num_seqs, w, threads) for w in range(engine_cfg.num_workers)]
-        startup_s = max(self.timeout_s, STARTUP_TIMEOUT_S)  # importing torch on a loaded machine is slow
-        for w, ref in enumerate([a.info.remote() for a in self.workers]):
-            try:
-                ray.get(ref, timeout=startup_s)
-            except Exception as e:
-                self.close()
-                raise EngineError(f"did not start: {e}", w) from e
+        self._model_cfg = cfg
+        self.workers: list = []
+        self.pids: list[int] = []
+        """OS process id of each worker (updated when one is restarted)."""
+        try:
+            self._start(range(engine_cfg.num_workers), None, 0)
+        except EngineError:
+            self.close()
+            raise
 
     @property
     def version(self) -> int:
@@ -166,6 +189,80 @@ class RayEngine(Engine):
         """pid, version, threads and device of every worker."""
         return ray.get([w.info.remote() for w in self.workers], timeout=self.timeout_s)
 
+    def stats(self) -> dict[str, float]:
+        return {"engine/workers": len(self.workers), "engine/worker_restarts": len(self.restarts),
+                "engine/requests_resent": sum(len(r["resent"]) for r in self.restarts)}
+
+    # --- workers: start, restart, add, remove ---------------------------------------------
+
+    def _start(self, indices, handle, version: int) -> None:
+        """Start workers at `indices` (replacing what is there) and load `handle` as `version`
+        (None: the initial weights, version 0) before they take any request."""
+        threads = self.cfg.threads_per_worker
+        indices = list(indices)
+        free = ray.available_resources().get("CPU", 0)  # unreserved CPUs: workers then share the cores
+        actor = self._actor.options(**self._actor_options, num_cpus=threads if free >= threads * len(indices) else 0)
+        new = {w: actor.remote(self._model_cfg, self.cfg.max_num_seqs, w, threads) for w in indices}
+        for w in indices:
+            if w < len(self.workers):
+                self.workers[w] = new[w]
+            else:
+                self.workers.append(new[w])
+                self.pids.append(0)
+        startup_s = max(self.timeout_s, STARTUP_TIMEOUT_S)  # importing torch on a loaded machine is slow
+        for w in indices:
+            try:
+                self.pids[w] = ray.get(new[w].info.remote(), timeout=startup_s)["pid"]
+                if handle is not None:
+                    ray.get(new[w].update_weights.remote(handle, version), timeout=self.timeout_s)
+            except Exception as e:
+                raise EngineError(f"did not start: {_describe(e)}", w) from e
+
+    def _restart(self, w: int, reason: str, resent: list[str]) -> None:
+        """Replace dead worker `w` by a new one holding the current version; the caller re-sends
+        `resent`. Raises EngineError when no restart is left."""
+        if self.restarts_left <= 0:
+            raise EngineError(reason, w, resent)
+        self.restarts_left -= 1
+        old_pid = self.pids[w]
+        try:
+            ray.kill(self.workers[w])
+        except Exception:
+            pass
+        self._start([w], self._weights, self._version)
+        self.restarts.append(dict(worker=w, old_pid=old_pid, new_pid=self.pids[w], version=self._version,
+                                  resent=list(resent), reason=reason))
+        log.warning("engine: worker %d (pid %d) %s; restarted as pid %d at version %d, re-sending %d requests: %s "
+                    "(%d restarts left)", w, old_pid, reason, self.pids[w], self._version, len(resent),
+                    ", ".join(resent[:8]) + (" ..." if len(resent) > 8 else ""), self.restarts_left)
+
+    def add_workers(self, n: int) -> None:
+        """Start `n` more workers holding the current version (between iterations only)."""
+        if self._active:  # a real check: python -O keeps it
+            raise RuntimeError("add_workers during generate(): resize at an iteration boundary")
+        if n < 0:
+            raise ValueError(f"add_workers({n}): n must be >= 0")
+        self._start(range(len(self.workers), len(self.workers) + n), self._weights, self._version)
+        log.info("engine: %d workers (added %d at version %d)", len(self.workers), n, self._version)
+
+    def remove_workers(self, n: int) -> None:
+        """Stop the `n` highest-numbered workers (between iterations only); one always stays."""
+        if self._active:  # a real check: python -O keeps it
+            raise RuntimeError("remove_workers during generate(): resize at an iteration boundary")
+        if not 0 <= n < len(self.workers):
+            raise ValueError(f"remove_workers({n}): must leave at least one of {len(self.workers)} workers")
+        for _ in range(n):
+            worker = self.workers.pop()
+            self.pids.pop()
+            ray.kill(worker)
+        log.info("engine: %d workers (removed %d at version %d)", len(self.workers), n, self._version)
+
+    def scheduled_workers(self, version: int) -> int:
+        """Workers `engine.num_workers_schedule` asks for from `version` on."""
+        return ([n for v, n in self._schedule.items() if v <= version] or [self.cfg.num_workers])[-1]
+
+    # --- generation ----------------------------------------------------------------------
+
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
         if self._active:  # a real check: python -O keeps it
             raise RuntimeError("one generate() at a time")
@@ -173,14 +270,25 @@ class RayEngine(Engine):
         call = self._calls = self._calls + 1
         streams: dict = {}
         try:
-            per_worker: dict[int, list[Request]] = {}
+            held: dict[int, dict[str, Request]] = {}  # per worker, the requests it has not returned yet
             for w, r in zip(assign_workers(requests, len(self.workers)), requests):
-                per_worker.setdefault(w, []).append(r)
-            pending = {w: [r.request_id for r in rs] for w, rs in per_worker.items()}
-            streams = {w: self.workers[w].generate.options(num_returns="streaming").remote(rs, call)
-                       for w, rs in per_worker.items()}
+                held.setdefault(w, {})[r.request_id] = r
+            streams = {w: self._stream(w, rs, call) for w, rs in held.items()}
             silent = dict.fromkeys(streams, 0.0)  # seconds spent waiting on each worker since its last result
             pinged: dict[int, tuple[float, ray.ObjectRef]] = {}  # liveness pings in flight
+
+            def died(w: int, e: Exception) -> None:
+                """Worker w failed with e: restart it and re-send what it held, or raise."""
+                if not isinstance(e, ray.exceptions.RayActorError):
+                    raise EngineError(_describe(e), w, list(held[w])) from e
+                try:
+                    self._restart(w, _describe(e), list(held[w]))
+                except EngineError as err:
+                    raise err from e
+                streams[w] = self._stream(w, held[w], call)
+                silent[w] = 0.0
+                pinged.pop(w, None)
+
             while streams:
                 t = time.perf_counter()
                 ready, _ = ray.wait(list(streams.values()), num_returns=1, timeout=0.5)
@@ -193,19 +301,20 @@ class RayEngine(Engine):
                         out = ray.get(next(stream))
                     except StopIteration:
                         del streams[w]
-                        if pending[w]:
-                            raise EngineError("stream ended before all requests were done", w, pending[w])
+                        if held[w]:
+                            raise EngineError("stream ended before all requests were done", w, list(held[w]))
                         continue
                     except Exception as e:
-                        raise EngineError(_describe(e), w, pending[w]) from e
+                        died(w, e)
+                        continue
                     if out.version != self._version:
                         raise EngineError(f"version {out.version} != engine version {self._version}", w,
                                           [out.request_id])
-                    pending[w].remove(out.request_id)
+                    del held[w][out.request_id]
                     silent[w] = 0.0
                     pinged.pop(w, None)
                     yield out
-                self._check_alive(streams, silent, pinged, pending)
+                self._check_alive(streams, silent, pinged, held, died)
         finally:
             for w in streams:  # abandoned or failed: stop the others (best effort)
                 try:
@@ -214,11 +323,14 @@ class RayEngine(Engine):
                     pass
             self._active = False
 
-    def _check_alive(self, streams, silent, pinged, pending) -> None:
+    def _stream(self, w: int, requests: dict[str, Request], call: int):
+        return self.workers[w].generate.options(num_returns="streaming").remote(list(requests.values()), call)
+
+    def _check_alive(self, streams, silent, pinged, held, died) -> None:
         """Timeout, and actor death not yet reported on the stream: a dead actor fails a ping at once."""
-        for w in streams:
+        for w in list(streams):
             if silent[w] > self.timeout_s:
-                raise EngineError(f"no result for {self.timeout_s:.0f} s (timeout_s)", w, pending[w])
+                raise EngineError(f"no result for {self.timeout_s:.0f} s (timeout_s)", w, list(held[w]))
             if w in pinged:
                 sent_at, ref = pinged[w]
                 done, _ = ray.wait([ref], timeout=0)
@@ -226,25 +338,41 @@ class RayEngine(Engine):
                     try:
                         ray.get(ref)
                     except Exception as e:
-                        raise EngineError(_describe(e), w, pending[w]) from e
+                        died(w, e)
+                        continue
                     if silent[w] - sent_at > PING_AFTER_S:
                         del pinged[w]  # alive; ping again later
             elif silent[w] > PING_AFTER_S:
                 pinged[w] = (silent[w], self.workers[w].info.remote())
 
+    # --- the barrier ---------------------------------------------------------------------
+
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
+        """Resize to `scheduled_workers(version)` (new workers load these weights), load them on
+        every worker; a worker found dead here is restarted if `restart_workers` allows."""
         if self._active:  # a real check: python -O keeps it
             raise RuntimeError("update_weights during generate() would mix versions")
         t = time.perf_counter()
         handle = self.sync.publish(state_dict, version)
         t_pub = time.perf_counter()
-        try:
-            load_s = ray.get([w.update_weights.remote(handle, version) for w in self.workers], timeout=self.timeout_s)
-        except Exception as e:
-            raise EngineError(f"update_weights: {_describe(e)}") from e
-        self._version = version
+        target = self.scheduled_workers(version)
+        if target < len(self.workers):
+            self.remove_workers(len(self.workers) - target)
+        refs = [w.update_weights.remote(handle, version) for w in self.workers]
+        load_s = []
+        for w, ref in enumerate(refs):
+            try:
+                load_s.append(ray.get(ref, timeout=self.timeout_s))
+            except ray.exceptions.RayActorError as e:
+                self._restart(w, f"update_weights: {_describe(e)}", [])  # the new worker loads `handle` below
+                ray.get(self.workers[w].update_weights.remote(handle, version), timeout=self.timeout_s)
+            except Exception as e:
+                raise EngineError(f"update_weights: {_describe(e)}", w) from e
+        self._version, self._weights = version, handle
+        if target > len(self.workers):
+            self.add_workers(target - len(self.workers))
         total = time.perf_counter() - t
-        self.last_sync = dict(publish_s=t_pub - t, load_s=max(load_s), total_s=total)
+        self.last_sync = dict(publish_s=t_pub - t, load_s=max(load_s, default=0.0), total_s=total)
         return total
 
     def close(self) -> None:
@@ -254,6 +382,7 @@ class RayEngine(Engine):
             except Exception:
                 pass
         self.workers = []
+        self._weights = None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
