@@ -212,6 +212,12 @@ class AlgorithmConfig:
     """AdamW learning rate."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon. RL gradients of tokens the policy rarely samples are tiny and mostly noise;
+    with eps far below them Adam rescales that noise to full lr-sized steps (PPO implementations
+    use 1e-5 for this reason)."""
     lr_scheduler: str = "constant"
     """Learning-rate schedule over optimizer steps (`transformers.get_scheduler`): 'constant',
     'linear' (decays to 0 at the last step) or 'cosine' (half cosine to 0), each after
@@ -252,6 +258,9 @@ class AlgorithmConfig:
         _check(self.lr_scheduler in ("constant", "linear", "cosine"), a, "lr_scheduler", self.lr_scheduler,
                "expected constant, linear or cosine")
         _check(self.warmup_steps >= 0, a, "warmup_steps", self.warmup_steps, "must be >= 0")
+        _check(self.adam_eps > 0, a, "adam_eps", self.adam_eps, "must be > 0")
+        _check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), a, "adam_betas",
+               self.adam_betas, "expected two numbers in [0, 1)")
         _check(0 <= self.eps_low < 1, a, "eps_low", self.eps_low, "must be in [0, 1)")
         _check(self.eps_high >= 0, a, "eps_high", self.eps_high, "must be >= 0")
         _check(self.beta >= 0, a, "beta", self.beta, "must be >= 0")

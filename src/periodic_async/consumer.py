@@ -85,7 +85,7 @@ class Consumer:
                             old_from_behaviour=cfg.pipeline.mode == "async-offpolicy",
                             autocast_dtype=self.model_dtype if half else None, layout=self.ranks.layout)
         self.optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=a.lr,
-                                           weight_decay=a.weight_decay, betas=(0.9, 0.999))
+                                           weight_decay=a.weight_decay, betas=tuple(a.adam_betas), eps=a.adam_eps)
         self.scheduler = lr_scheduler(self.optimizer, a, cfg.trainer.iterations * a.optimizer_steps_per_iteration)
         self.tracer = tracer or Tracer(enabled=False)
         self.device = next(policy.parameters()).device
