@@ -6,22 +6,31 @@ the single prompt template of the project (what the reward parses: a final '####
 The synthetic task is GSM8K-like arithmetic word problems, generated deterministically
 from a seed, with a difficulty knob (steps, operand size) and an optional few-shot prefix
 that gives the long prompts of the paper's shared-prompt setting.
+
+Bad input fails clearly, as a `DataError`: a malformed line, a missing or mistyped field
+names the file and its 1-based line (JSONL) or row (JSON list, parquet, dataset split); an
+empty source names the source; a prompt that leaves no room for the response in the model's
+context names the example and the numbers (`fit_to_context`, checked once at start-up).
+Data files are only parsed (JSON, parquet, `datasets`), never executed.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from periodic_async.config import DataConfig
+from periodic_async.config import DataConfig, UserError
 from periodic_async.reward import last_boxed
 
 INSTRUCTION = "Solve step by step and give the final answer after ####."
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -99,13 +108,37 @@ def prompt_messages(example: Example, shots: list[Example] = ()) -> list[dict[st
 
 # --- real datasets ------------------------------------------------------------------------
 
+class DataError(UserError, ValueError):
+    """A data source is unusable; the message names the file and the 1-based line (JSONL) or
+    row (JSON list, parquet, dataset split), or the source when it is empty."""
+
+
 def _gsm8k_final(answer: str) -> str:
     if "####" not in answer:
         raise ValueError(f"GSM8K answer has no '####': {answer[:80]!r}")
     return answer.split("####")[-1].strip().replace(",", "")
 
 
+def _text(rec: dict, *keys: str, required: bool = True, numbers: bool = False) -> str | None:
+    """The first of `keys` present in `rec`, as text; a missing required field or a value of the
+    wrong type (not a string, or a number where `numbers`) is a ValueError naming the field."""
+    for k in keys:
+        if k in rec and rec[k] is not None:
+            v = rec[k]
+            if isinstance(v, str) or (numbers and isinstance(v, (int, float)) and not isinstance(v, bool)):
+                return str(v)
+            raise ValueError(f"field {k!r} is {type(v).__name__} {v!r:.60}: expected "
+                             f"{'a string or a number' if numbers else 'a string'}")
+    if required:
+        raise ValueError(f"missing field {'/'.join(repr(k) for k in keys)}")
+    return None
+
+
 def _record_to_example(rec: dict, fmt: str, where: str, i: int) -> Example:
+    """One record as an Example; errors are `DataError`s prefixed with `where` (file and line/row)."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected an object with question/answer fields, got {type(rec).__name__} "
+                        f"{rec!r:.60}")
     keys = set(rec)
     if fmt == "auto":
         if {"question", "answer"} <= keys and "####" in str(rec["answer"]):
@@ -115,56 +148,64 @@ def _record_to_example(rec: dict, fmt: str, where: str, i: int) -> Example:
         elif {"problem", "solution"} <= keys:
             fmt = "math"
         else:
-            raise ValueError(f"{where} record {i}: cannot tell the format from keys {sorted(keys)}; "
-                             "set data.format to gsm8k, math or aime")
+            raise DataError(f"{where}: cannot tell the format from keys {sorted(keys)}; "
+                            "set data.format to gsm8k, math or aime")
     try:
         if fmt == "gsm8k":
-            sol = re.sub(r"<<[^>]*>>", "", str(rec["answer"]))
-            return Example(str(rec["question"]), _gsm8k_final(sol), sol.strip(), str(rec.get("id", i)))
+            question = _text(rec, "question")
+            sol = re.sub(r"<<[^>]*>>", "", _text(rec, "answer"))
+            return Example(question, _gsm8k_final(sol), sol.strip(), str(rec.get("id", i)))
         if fmt in ("math", "aime"):
-            q = rec.get("problem", rec.get("Problem"))
-            ans = rec.get("answer", rec.get("Answer"))
-            sol = rec.get("solution", rec.get("Solution"))
+            q = _text(rec, "problem", "Problem")
+            sol = _text(rec, "solution", "Solution", required=False)
+            ans = _text(rec, "answer", "Answer", required=False, numbers=True)
             if ans is None and sol is not None:
-                ans = last_boxed(str(sol))
-            if q is None or ans is None:
-                raise KeyError("problem/answer")
-            return Example(str(q), str(ans).strip(), None if sol is None else str(sol), str(rec.get("id", i)))
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"{where} record {i} (format {fmt}): {e}") from None
-    raise ValueError(f"unknown format {fmt!r}")
+                ans = last_boxed(sol)
+                if ans is None:
+                    raise ValueError("no 'answer' field and no \\boxed{} in the solution")
+            if ans is None:
+                raise ValueError("missing field 'answer'/'Answer' (or a solution with \\boxed{})")
+            return Example(q, ans.strip(), sol, str(rec.get("id", i)))
+    except ValueError as e:
+        raise DataError(f"{where} (format {fmt}): {e}") from None
+    raise DataError(f"unknown format {fmt!r}")
 
 
-def _read_records(source: str, split: str) -> list[dict]:
+def _read_records(source: str, split: str) -> list[tuple[str, object]]:
+    """The records of `source`, each with where it came from: 'file:LINE' (JSONL, 1-based),
+    'file row N' (JSON list, parquet) or "source[split] row N" (a datasets split)."""
     p = Path(source)
+    if p.suffix in (".jsonl", ".json", ".parquet") and not p.is_file():
+        raise FileNotFoundError(f"data.source {source!r} does not exist")
     if p.suffix == ".jsonl":
-        if not p.is_file():
-            raise FileNotFoundError(f"data.source {source!r} does not exist")
+        out = []
         with p.open() as f:
-            out = []
             for ln, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        out.append(json.loads(line))
+                        out.append((f"{source}:{ln}", json.loads(line)))
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{source}:{ln}: invalid JSON ({e})") from None
-            return out
+                        raise DataError(f"{source}:{ln}: invalid JSON ({e})") from None
+        return out
     if p.suffix == ".json":
-        if not p.is_file():
-            raise FileNotFoundError(f"data.source {source!r} does not exist")
-        data = json.loads(p.read_text())
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise DataError(f"{source}:{e.lineno}: invalid JSON ({e})") from None
         if not isinstance(data, list):
-            raise ValueError(f"{source}: expected a JSON list of records")
-        return data
+            raise DataError(f"{source}: expected a JSON list of records, got {type(data).__name__}")
+        return [(f"{source} row {i}", r) for i, r in enumerate(data, 1)]
     if p.suffix == ".parquet":
-        if not p.is_file():
-            raise FileNotFoundError(f"data.source {source!r} does not exist")
         import pyarrow.parquet as pq
 
-        return pq.read_table(p).to_pylist()
-    import datasets  # a Hugging Face dataset name or directory
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except Exception as e:  # pyarrow's errors name neither the file nor the problem in our terms
+            raise DataError(f"{source}: not a readable parquet file ({type(e).__name__}: {e})") from None
+        return [(f"{source} row {i}", r) for i, r in enumerate(rows, 1)]
+    import datasets  # a Hugging Face dataset name or directory (data only: datasets runs no dataset scripts)
 
-    return list(datasets.load_dataset(source, split=split))
+    return [(f"{source}[{split}] row {i}", r) for i, r in enumerate(datasets.load_dataset(source, split=split), 1)]
 
 
 def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
@@ -181,7 +222,9 @@ def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
         evals = _synthetic_eval(cfg, exclude=train + few_shot_examples(cfg))
     else:
         records = _read_records(cfg.source, cfg.split)
-        examples = [_record_to_example(r, cfg.format, cfg.source, i) for i, r in enumerate(records)]
+        if not records:
+            raise DataError(f"data.source {cfg.source!r} (split {cfg.split!r}) has no examples")
+        examples = [_record_to_example(r, cfg.format, where, i) for i, (where, r) in enumerate(records)]
         train = examples[: cfg.num_train] if cfg.num_train else examples
         if split == "train":
             return train
@@ -189,7 +232,7 @@ def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
             return []
         n_train = cfg.num_train or len(examples)
         if n_train + cfg.num_eval > len(examples):  # eval: the tail, after the training head
-            raise ValueError(
+            raise DataError(
                 f"data.source {cfg.source!r} (split {cfg.split!r}) has {len(examples)} examples: the training head "
                 f"(data.num_train={cfg.num_train}, i.e. {n_train}) and the held-out tail (data.num_eval="
                 f"{cfg.num_eval}) would share {n_train + cfg.num_eval - len(examples)}; lower one of them")
@@ -210,7 +253,7 @@ def check_disjoint(train: list[Example], evals: list[Example], source: str) -> N
     overlap = [e for e in evals if _key(e) in seen]
     if overlap:
         shown = "; ".join(f"{e.id or '?'}: {e.question[:60]!r}" for e in overlap[:3])
-        raise ValueError(f"data.source {source!r}: {len(overlap)} of {len(evals)} held-out examples also appear "
+        raise DataError(f"data.source {source!r}: {len(overlap)} of {len(evals)} held-out examples also appear "
                          f"in the training data (or the few-shot prefix), e.g. {shown}")
 
 
@@ -223,7 +266,7 @@ def _synthetic_eval(cfg: DataConfig, exclude: list[Example]) -> list[Example]:
     while len(out) < cfg.num_eval:
         draws += 1
         if draws > 20 * cfg.num_eval + 10_000:
-            raise ValueError(f"data.source 'synthetic': only {len(out)} of data.num_eval={cfg.num_eval} held-out "
+            raise DataError(f"data.source 'synthetic': only {len(out)} of data.num_eval={cfg.num_eval} held-out "
                              f"problems outside the {cfg.num_train} training problems after {draws - 1} draws; "
                              "make the task larger (data.max_operand, data.max_steps) or data.num_train smaller")
         ex = make_synthetic_example(rng, cfg, draws - 1)
@@ -239,12 +282,45 @@ def few_shot_examples(cfg: DataConfig) -> list[Example]:
     return make_synthetic(cfg.few_shot, cfg, seed=cfg.seed + 7_777_777)
 
 
+def fit_to_context(examples: list[Example], shots: list[Example], tokenizer, max_new_tokens: int,
+                   context: int | None, skip: bool = False, what: str = "training") -> list[Example]:
+    """The examples whose prompt (chat template and few-shot prefix included) leaves room for
+    `max_new_tokens` within the model's `context` (max_position_embeddings; None: no limit).
+    An example that does not fit is a `DataError` naming it (index, start of the question) and
+    the numbers; with `skip` (data.skip_too_long) such examples are dropped and their count is
+    printed once. Tokenizes every prompt: call it once, at start-up."""
+    if not context or not examples:
+        return list(examples)
+    from periodic_async.tokenizer import encode_chat
+
+    limit = context - max_new_tokens
+    lengths = [len(encode_chat(tokenizer, prompt_messages(e, shots))) for e in examples]
+    too_long = [i for i, n in enumerate(lengths) if n > limit]
+    if not too_long:
+        return list(examples)
+    i = too_long[0]
+    prefix = f"chat template and {len(shots)} few-shot examples" if shots else "chat template"
+    first = (f"{what} example {i} ({examples[i].question[:60]!r}): prompt of {lengths[i]} tokens ({prefix}) + "
+             f"engine.max_tokens={max_new_tokens} = {lengths[i] + max_new_tokens} > the model's context of "
+             f"{context} tokens (max_position_embeddings)")
+    if not skip or len(too_long) == len(examples):
+        raise DataError(f"{len(too_long)} of {len(examples)} {what} prompts do not fit the model's context; "
+                        f"the first: {first}. Shorten them, lower engine.max_tokens or data.few_shot"
+                        f"{'' if skip else ', or set data.skip_too_long=true to skip them'}")
+    msg = (f"[data] skipped {len(too_long)} of {len(examples)} {what} examples too long for the model's context "
+           f"(data.skip_too_long); the first: {first}")
+    print(msg)
+    logger.info(msg)
+    dropped = set(too_long)
+    return [e for k, e in enumerate(examples) if k not in dropped]
+
+
 def iteration_prompts(examples: list[Example], iteration: int, batch: int, seed: int) -> list[tuple[int, Example]]:
     """The `batch` prompts of `iteration`: epoch-wise shuffles, a pure function of its
     arguments, so a resumed run takes exactly the prompts it would have taken."""
     n = len(examples)
     if n == 0:
-        raise ValueError("no training examples")
+        raise DataError("no training examples")
     out = []
     for k in range(iteration * batch, (iteration + 1) * batch):
         epoch, pos = divmod(k, n)

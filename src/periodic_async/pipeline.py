@@ -38,8 +38,8 @@ tokens/s per device, phase times and idle times. Definitions:
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -47,15 +47,16 @@ from typing import Iterable, Iterator
 
 import torch
 
+from periodic_async import checkpoint
 from periodic_async.config import RunConfig, save_run_info
 from periodic_async.consumer import Consumer
-from periodic_async.data import few_shot_examples, load_examples
+from periodic_async.data import few_shot_examples, fit_to_context, load_examples
 from periodic_async.engine import Engine, make_engine
 from periodic_async.group import Group
 from periodic_async.model import load_policy
 from periodic_async.modes import make_mode
 from periodic_async.producer import Producer
-from periodic_async.reward import combined_reward, load_reward_fn
+from periodic_async.reward import make_reward
 from periodic_async.trace import MetricsLogger, Tracer
 
 
@@ -111,46 +112,6 @@ def _write_rollouts(path: Path, groups: list[Group]) -> None:
                                 "finish_reasons": g.finish_reasons}) + "\n")
 
 
-def save_checkpoint(out_dir: Path, policy, tokenizer, consumer: Consumer, next_iteration: int) -> Path:
-    """Atomically replace <out_dir>/checkpoint (written to a temp dir, then renamed)."""
-    final, tmp = out_dir / "checkpoint", out_dir / "checkpoint.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save({"next_iteration": next_iteration, **consumer.state_dict()}, tmp / "trainer_state.pt")
-    if final.exists():
-        old = out_dir / "checkpoint.old"
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-    return final
-
-
-def _resume_dir(cfg: RunConfig) -> Path | None:
-    if not cfg.trainer.resume:
-        return None
-    p = Path(cfg.trainer.output_dir) / "checkpoint" if cfg.trainer.resume == "auto" else Path(cfg.trainer.resume)
-    if (p / "trainer_state.pt").is_file():
-        return p
-    if cfg.trainer.resume == "auto":
-        return None
-    raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume!r}: no trainer_state.pt in {str(p)!r}")
-
-
-def _load_checkpoint(ckpt: Path, policy, consumer: Consumer) -> int:
-    from transformers import AutoModelForCausalLM
-
-    saved = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=next(policy.parameters()).dtype)
-    policy.load_state_dict(saved.state_dict())
-    consumer.tri.refresh_old()
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)  # no code from a checkpoint
-    consumer.load_state_dict(state)
-    return int(state["next_iteration"])
-
-
 def build_engine(cfg: RunConfig) -> Engine:
     return make_engine(cfg.engine, cfg.model)
 
@@ -158,8 +119,10 @@ def build_engine(cfg: RunConfig) -> Engine:
 def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     """Train for `cfg.trainer.iterations`; returns a summary. Writes under trainer.output_dir:
     config.yaml, run_info.json, metrics.jsonl, eval.jsonl, rollouts.jsonl, trace.jsonl,
-    trace.chrome.json, checkpoint/, summary.json. `engine` lets tests and benchmarks share one
-    started engine."""
+    trace.chrome.json, checkpoint-<t>/ (+ the `checkpoint` link; checkpoint.py), summary.json.
+    `engine` lets tests and benchmarks share one started engine. Whatever stops the run (an
+    error, a signal, a failure while starting), what was started is released: the producer
+    thread, the engine when the run built it (Ray with it), W&B, the progress bar."""
     out = Path(cfg.trainer.output_dir)
     save_run_info(cfg, out)
     torch.set_num_threads(cfg.trainer.threads)
@@ -167,59 +130,56 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     policy, tokenizer = load_policy(cfg.model)
     examples, evals = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
     shots = few_shot_examples(cfg.data)
-    reward_fn = combined_reward([load_reward_fn(f) for f in cfg.reward.functions], cfg.reward.weights)
+    reward_fn = make_reward(cfg.reward)
     tracer = Tracer(enabled=cfg.logging.trace)
     consumer = Consumer(policy, cfg, tracer)  # tri-model's ref = the initial weights
-    start_iteration, last = 0, cfg.trainer.iterations
-    ckpt = _resume_dir(cfg)
+    ckpt = checkpoint.resume_dir(cfg)
     if ckpt is not None:
-        start_iteration = _load_checkpoint(ckpt, policy, consumer)
-        print(f"[train] resumed from {ckpt} at iteration {start_iteration}")
-    else:  # a fresh run does not append to an earlier run's logs
+        checkpoint.load(ckpt, policy, consumer, cfg)
+        print(f"[train] resumed from {ckpt} at iteration {consumer.version}")
+    else:  # a fresh run does not append to an earlier run's logs, nor resume its checkpoints
         for name in ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl", "trace.jsonl", "trace.chrome.json",
                      "summary.json"):
             (out / name).unlink(missing_ok=True)
-    own_engine = engine is None
-    engine = engine or build_engine(cfg)
-    producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=evals)
-    logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
-                           name=f"{cfg.pipeline.mode}-{out.name}")
-    mode = make_mode(cfg.pipeline.mode)
-    books = _Books(cfg, out, logger, producer)
+        checkpoint.remove_all(out)
+    checkpoints = checkpoint.Checkpoints(cfg, policy, tokenizer, consumer)
+    start_iteration, last = consumer.version, cfg.trainer.iterations
     completed = start_iteration  # iterations whose optimizer step is done
-    try:
-        _barrier(engine, consumer, start_iteration, tracer)  # the engines start from our weights
-        t_start = time.time()
-        mode.begin(producer, start_iteration, last)
-        for iteration in range(start_iteration, last):  # the paper's Figure 1
-            groups = _Received(mode.groups(producer, iteration))
-            train = consumer.train_iteration(groups, iteration, mode.sampled_by(iteration),
-                                             engines_idle=producer.generation_done)
-            completed = iteration + 1  # the policy is now version t+1, whatever happens at the barrier
-            mode.before_barrier(producer, iteration)
-            sync_s = _barrier(engine, consumer, completed, tracer)
-            t_end = time.time()
-            mode.after_barrier(producer, completed)  # the next iteration generates while we keep the books
-            books.iteration(groups.received, t_start, t_end, train, sync_s, completed)
-            if cfg.trainer.save_every and completed % cfg.trainer.save_every == 0:
-                save_checkpoint(out, policy, tokenizer, consumer, completed)
+    with contextlib.ExitStack() as started:  # closed in reverse order, whatever happens
+        started.callback(tracer.write, out)
+        if engine is None:
+            engine = started.enter_context(build_engine(cfg))
+        producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=evals)
+        started.callback(producer.close)
+        logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
+                               name=f"{cfg.pipeline.mode}-{out.name}")
+        started.callback(logger.close)
+        books = _Books(cfg, out, logger, producer)
+        started.callback(books.close)
+        mode = make_mode(cfg.pipeline.mode)
+        try:
+            _barrier(engine, consumer, start_iteration, tracer)  # the engines start from our weights
             t_start = time.time()
-        if cfg.trainer.eval_at_end and evals and completed not in producer.eval_results:
-            producer.evaluate_now(completed)
-        books.close(completed)
-    except BaseException:
-        # Keep what was trained: with one optimizer step per iteration the weights are those
-        # at the end of the last completed iteration (a failed iteration never stepped).
-        if cfg.algorithm.optimizer_steps_per_iteration == 1 and completed > start_iteration:
-            save_checkpoint(out, policy, tokenizer, consumer, completed)
-        raise
-    finally:
-        producer.close()
-        if own_engine:
-            engine.close()
-        tracer.write(out)
-        logger.close()
-    save_checkpoint(out, policy, tokenizer, consumer, last)
+            mode.begin(producer, start_iteration, last)
+            for iteration in range(start_iteration, last):  # the paper's Figure 1
+                groups = _Received(mode.groups(producer, iteration))
+                train = consumer.train_iteration(groups, iteration, mode.sampled_by(iteration),
+                                                 engines_idle=producer.generation_done)
+                completed = consumer.version  # t+1: the policy's version, whatever happens at the barrier
+                mode.before_barrier(producer, iteration)
+                sync_s = _barrier(engine, consumer, completed, tracer)
+                t_end = time.time()
+                mode.after_barrier(producer, completed)  # the next iteration generates while we keep the books
+                books.iteration(groups.received, t_start, t_end, train, sync_s, completed)
+                checkpoints.every(completed)
+                t_start = time.time()
+            if cfg.trainer.eval_at_end and evals and completed not in producer.eval_results:
+                producer.evaluate_now(completed)
+            books.log_new_evals(completed)
+            checkpoints.save(completed)
+        except BaseException:
+            checkpoints.after_failure()  # the weights of the last completed iteration, under its label
+            raise
     summary = _summary(cfg, books.history)
     if completed in producer.eval_results:
         summary["eval_accuracy"] = producer.eval_results[completed]["accuracy"]
@@ -287,12 +247,15 @@ class _Books:
             m = {"eval/accuracy": r["accuracy"], "eval/stderr": r["stderr"], "eval/n": r["n"], "eval/version": version}
         return m
 
-    def close(self, completed: int) -> None:
+    def log_new_evals(self, completed: int) -> None:
         m = self._new_evals()
         if m:
             self.logger.log(m, step=completed)
+
+    def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def _summary(cfg: RunConfig, history: list[dict]) -> dict:

@@ -4,6 +4,14 @@ A reward function has TRL's shape, `f(prompts, completions, **kwargs) -> list[fl
 where kwargs carry the dataset columns (here `answer`). The producer scores each finished
 group with the weighted sum of the configured functions (`combined_reward`).
 Extraction order: the last '#### N', else the last '\\boxed{...}', else the last number.
+
+Guarantees: a user reward function (any not defined in this module) runs in a worker process
+with a wall-clock bound per call (`reward.timeout_s`): one that hangs is killed and the run
+stops with a `RewardError` naming it; one that raises, returns a non-number, the wrong count
+or a NaN/inf stops the run with a `RewardError` naming it and the value (the producer adds
+the iteration and prompt). Reward code is loaded only from the module or file the user names
+in `reward.functions`; the worker resolves imports with the caller's `sys.path`, never adding
+its own working directory.
 """
 
 from __future__ import annotations
@@ -20,9 +28,12 @@ import re
 import subprocess
 import sys
 import threading
+import weakref
 from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Sequence
+
+from periodic_async.config import RewardConfig, UserError
 
 RewardFn = Callable[..., list[float]]
 
@@ -121,8 +132,10 @@ def verify_math(pred_text: str, truth: str) -> bool:
     return bool(verify(gold, pred, timeout_seconds=None, raise_on_error=True))
 
 
-def _worker_main(preload: str) -> None:
-    """The worker process: JSON lines in ({"fn": "module:function", "args": [...]}), JSON lines out."""
+def _worker_main(preload: str, reward_specs: Sequence[str] = ()) -> None:
+    """The worker process: JSON lines in ({"fn": "module:function", "args": [...]}), JSON lines out.
+    `preload` (a module) and `reward_specs` are loaded before it reports ready, so their import
+    time is not part of any call's budget."""
     import json
     import sys
 
@@ -130,17 +143,39 @@ def _worker_main(preload: str) -> None:
     sys.stdout = sys.stderr  # stray prints of called code must not corrupt the protocol
     if preload:
         importlib.import_module(preload)
+    for spec in reward_specs:
+        _worker_reward_fn(spec)
     out.write('{"ready": true}\n')
     out.flush()
     for line in sys.stdin:
         msg = json.loads(line)
         module, name = msg["fn"].split(":")
         try:
-            reply = {"result": getattr(importlib.import_module(module), name)(*msg["args"])}
+            reply = json.dumps({"result": getattr(importlib.import_module(module), name)(*msg["args"])})
         except Exception as e:  # reported to the caller, which counts and logs it
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(reply) + "\n")
+            reply = json.dumps({"error": f"{type(e).__name__}: {e}"})
+        out.write(reply + "\n")
         out.flush()
+
+
+_worker_reward_fns: dict[str, "RewardFn"] = {}
+
+
+def _worker_reward_fn(spec: str) -> "RewardFn":
+    """In the worker process: the reward function `spec`, loaded once."""
+    if spec not in _worker_reward_fns:
+        _worker_reward_fns[spec] = load_reward_fn(spec)
+    return _worker_reward_fns[spec]
+
+
+def call_reward_fn(spec: str, prompts: list, completions: list[str], kwargs: dict) -> list[float]:
+    """In the worker process: `spec`(prompts, completions, **kwargs) as a list of floats (NaN and
+    inf included: the caller checks them and names the function)."""
+    r = _worker_reward_fn(spec)(prompts, completions, **kwargs)
+    try:
+        return [float(x) for x in r]
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"returned {r!r:.200}: expected a list of numbers ({e})") from None
 
 
 def _pump(stream, lines: queue.Queue) -> None:
@@ -161,19 +196,27 @@ class BoundedWorker:
     A plain subprocess (`python -c`), so it works from any thread and whatever the main script.
     Calls are serialised: a timeout measures the call itself, not a queue."""
 
-    def __init__(self, preload: str = "", start_timeout_s: float = 120.0):
-        self.preload, self.start_timeout_s = preload, start_timeout_s
+    def __init__(self, preload: str = "", start_timeout_s: float = 120.0, reward_specs: Sequence[str] = ()):
+        self.preload, self.start_timeout_s, self.reward_specs = preload, start_timeout_s, list(reward_specs)
         self._proc: subprocess.Popen | None = None
         self._lines: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         atexit.register(self.close)
 
+    def start(self) -> None:
+        """Start the worker now (else the first call does); its start-up is not part of any call's budget."""
+        with self._lock:
+            if self._proc is None:
+                self._start()
+
     def _start(self) -> None:
-        src = str(Path(__file__).resolve().parents[1])  # this package importable in the child
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-        code = f"from periodic_async.reward import _worker_main; _worker_main({self.preload!r})"
+        # The child imports with this process's sys.path (this package first), not with the
+        # working directory `python -c` would put in front of it: it loads what we would load.
+        path = [str(Path(__file__).resolve().parents[1])] + [os.path.abspath(p) for p in sys.path]
+        code = (f"import sys; sys.path[:] = {path!r}; from periodic_async.reward import _worker_main; "
+                f"_worker_main({self.preload!r}, {self.reward_specs!r})")
         self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True, bufsize=1, env=env)
+                                      text=True, bufsize=1)
         self._lines = queue.Queue()
         threading.Thread(target=_pump, args=(self._proc.stdout, self._lines), daemon=True,
                          name="bounded-worker-reader").start()
@@ -285,52 +328,121 @@ def format_reward(prompts: Sequence, completions: Sequence[str], **kwargs) -> li
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Load 'package.module:function' or 'path/to/file.py:function'."""
+    """Load 'package.module:function' (imported through `sys.path`) or 'path/to/file.py:function'
+    (exactly that file). Nothing else is imported. Raises `RewardError` naming the spec."""
     if ":" not in spec:
-        raise ValueError(f"reward function {spec!r}: expected 'module:function' or 'file.py:function'")
+        raise RewardError(f"reward function {spec!r}: expected 'module:function' or 'file.py:function'")
     mod_name, fn_name = spec.rsplit(":", 1)
     if mod_name.endswith(".py"):
         path = Path(mod_name)
         if not path.is_file():
-            raise FileNotFoundError(f"reward function {spec!r}: file {mod_name!r} does not exist")
+            raise RewardError(f"reward function {spec!r}: file {mod_name!r} does not exist")
         s = importlib.util.spec_from_file_location(f"_user_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(s)
-        s.loader.exec_module(module)
+        try:
+            s.loader.exec_module(module)
+        except Exception as e:
+            raise RewardError(f"reward function {spec!r}: loading {mod_name!r} raised {type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(mod_name)
         except ImportError as e:
-            raise ImportError(f"reward function {spec!r}: cannot import {mod_name!r} ({e})") from None
+            raise RewardError(f"reward function {spec!r}: cannot import {mod_name!r} ({e})") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise AttributeError(f"reward function {spec!r}: {mod_name!r} has no callable {fn_name!r}")
+        raise RewardError(f"reward function {spec!r}: {mod_name!r} has no callable {fn_name!r}")
     return fn
 
 
-class RewardError(ValueError):
-    """A reward function failed or returned something that is not one finite number per completion."""
+class RewardError(UserError, ValueError):
+    """A reward function could not be loaded, failed, timed out, or returned something that is not
+    one finite number per completion; the message names it."""
 
 
-def combined_reward(fns: Sequence[RewardFn], weights: Sequence[float]) -> RewardFn:
-    """Weighted sum of reward functions; checks each returns one finite number per completion
-    and raises `RewardError` naming the function and the bad value otherwise (a NaN reward
-    would otherwise become NaN advantages, gradients and weights)."""
+def _checked(name: str, r, n: int) -> list[float]:
+    """`r` as n finite floats, else `RewardError` naming the function `name` and the bad value."""
+    try:
+        values = [float(x) for x in r]
+    except (TypeError, ValueError) as e:
+        raise RewardError(f"reward function {name!r} returned {r!r:.200}: expected a list of numbers ({e})") from None
+    if len(values) != n:
+        raise RewardError(f"reward function {name!r} returned {len(values)} values for {n} completions")
+    bad = [(i, v) for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise RewardError(f"reward function {name!r} returned non-finite reward(s) "
+                          f"{', '.join(f'{v} (completion {i})' for i, v in bad[:4])}")
+    return values
+
+
+def _start_quietly(worker: BoundedWorker) -> None:
+    """Start the worker in the background; a failure is reported by the first call, which retries."""
+    try:
+        worker.start()
+    except Exception:  # noqa: BLE001 - the first reward call starts it again and raises RewardError
+        pass
+
+
+def combined_reward(fns: Sequence[RewardFn | str], weights: Sequence[float], timeout_s: float = 0.0) -> RewardFn:
+    """Weighted sum of reward functions, given as callables or as specs for `load_reward_fn`.
+
+    Checks each returns one finite number per completion and raises `RewardError` naming the
+    function and the bad value otherwise (a NaN reward would otherwise become NaN advantages,
+    gradients and weights). With `timeout_s` > 0 every spec not defined in this module runs in
+    one worker process (`BoundedWorker`, started now in the background), each call bounded by
+    `timeout_s`: a call that overruns kills the worker and raises `RewardError` saying so.
+    Specs are loaded here too, so a bad one fails at start-up. Callables and this module's
+    functions run in the calling thread. The worker stops when the returned function is
+    garbage-collected, at exit, or on its `close()`."""
+    entries: list[tuple[str, RewardFn | None, str | None]] = []  # (name, in-process fn, worker spec)
+    remote: list[str] = []
+    for f in fns:
+        if isinstance(f, str):
+            fn = load_reward_fn(f)
+            if timeout_s > 0 and f.rsplit(":", 1)[0] != __name__:
+                entries.append((f, None, f))
+                remote.append(f)
+            else:
+                entries.append((f, fn, None))
+        else:
+            entries.append((getattr(f, "__name__", repr(f)), f, None))
+    worker = BoundedWorker(reward_specs=remote) if remote else None
+    if worker is not None:
+        threading.Thread(target=_start_quietly, args=(worker,), daemon=True, name="reward-worker-start").start()
+
+    def call_remote(name: str, spec: str, prompts: Sequence, completions: Sequence[str], kwargs: dict):
+        try:
+            worker.start()
+        except (TimeoutError, RuntimeError) as e:
+            raise RewardError(f"reward function {name!r}: its worker process did not start ({e}); "
+                              "its error is printed above") from None
+        try:
+            return worker.call("periodic_async.reward:call_reward_fn", spec, list(prompts), list(completions),
+                               kwargs, timeout_s=timeout_s)
+        except TimeoutError:
+            raise RewardError(f"reward function {name!r} timed out: no result after {timeout_s:g} s "
+                              "(reward.timeout_s); its worker process was killed") from None
+        except WorkerError as e:
+            raise RewardError(f"reward function {name!r} raised {e}") from None
+        except RuntimeError as e:  # the worker process died (os._exit, a crash)
+            raise RewardError(f"reward function {name!r}: {e}") from None
+
     def reward(prompts: Sequence, completions: Sequence[str], **kwargs) -> list[float]:
         total = [0.0] * len(completions)
-        for fn, w in zip(fns, weights, strict=True):
-            name = getattr(fn, "__name__", repr(fn))
-            r = fn(prompts, completions, **kwargs)
-            try:
-                values = [float(x) for x in r]
-            except (TypeError, ValueError) as e:
-                raise RewardError(f"reward function {name!r} returned {r!r}: expected a list of numbers ({e})") from None
-            if len(values) != len(completions):
-                raise RewardError(f"reward function {name!r} returned {len(values)} values for "
-                                  f"{len(completions)} completions")
-            bad = [(i, v) for i, v in enumerate(values) if not math.isfinite(v)]
-            if bad:
-                raise RewardError(f"reward function {name!r} returned non-finite reward(s) "
-                                  f"{', '.join(f'{v} (completion {i})' for i, v in bad[:4])}")
-            total = [t + w * v for t, v in zip(total, values)]
+        for (name, fn, spec), w in zip(entries, weights, strict=True):
+            r = fn(prompts, completions, **kwargs) if spec is None else \
+                call_remote(name, spec, prompts, completions, kwargs)
+            total = [t + w * v for t, v in zip(total, _checked(name, r, len(completions)))]
         return total
+
+    if worker is not None:
+        weakref.finalize(reward, worker.close)
+        reward.close = worker.close
+    else:
+        reward.close = lambda: None
     return reward
+
+
+def make_reward(cfg: RewardConfig) -> RewardFn:
+    """The run's reward: `reward.functions` weighted by `reward.weights`, user functions bounded
+    by `reward.timeout_s` (see `combined_reward`)."""
+    return combined_reward(cfg.functions, cfg.weights, timeout_s=cfg.timeout_s)
