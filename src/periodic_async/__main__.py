@@ -3,6 +3,7 @@
     python -m periodic_async train --config experiments/async_speedup.yaml pipeline.mode=sync-separated
     python -m periodic_async sft --config experiments/sft.yaml
     python -m periodic_async eval --config experiments/sft.yaml model.name_or_path=runs/x/checkpoint
+    python -m periodic_async plan --model-params 32e9 --devices 64 --batch 512 --group 16   (simulated; plan.py)
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # the device-split planner has its own options (periodic_async/plan.py)
+        from periodic_async.plan import main as plan
+
+        plan(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="python -m periodic_async", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["train", "sft", "eval"])
     parser.add_argument("--config", default=None, help="YAML config (see experiments/)")
