@@ -18,7 +18,9 @@ Writes
       statistics clip_frac, ratio_mean, ratio_abs_dev (mean |ratio - 1|), behaviour_logp_gap
       (exactly 0 / 1 / 0 on-policy: the old policy is the sampling policy)
   <results>/reward_curves_summary.csv  mode,eval_accuracy_start,eval_accuracy_end,eval_stderr,
-      eval_n,max_abs_diff_vs_sync,tokens_per_s, then gain, gain_stderr, the two parts of
+      eval_n,max_abs_diff_vs_sync,tokens_per_s, then gain, gain_stderr (the two ends as
+      independent samples: conservative), gain_stderr_paired (per-problem differences on the same
+      held-out problems), the two parts of
       max_abs_diff_vs_sync (reward, eval accuracy), tokens_identical_iterations (vs sync),
       wall_s and cpu_s (this process: trainer + producer; Ray engine workers not counted)
   <figures>/reward_curves.png
@@ -99,6 +101,20 @@ def curve_rows(mode: str, out: Path) -> list[dict]:
     return rows
 
 
+def paired_gain_stderr(out: Path, first: int, last: int) -> float | None:
+    """Standard error of the accuracy gain from version `first` to `last` on the same held-out
+    problems: sd(d) / sqrt(n) with d = correct_last - correct_first per problem (the paired
+    estimate; the independent one, sqrt(se_first^2 + se_last^2), ignores that the problems are
+    the same)."""
+    evals = {e["step"]: e.get("correct") for e in read_jsonl(out / "eval.jsonl")}
+    a, b = evals.get(first), evals.get(last)
+    if not a or not b or len(a) != len(b):
+        return None
+    d = [y - x for x, y in zip(a, b)]
+    mean = sum(d) / len(d)
+    return (sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d)) ** 0.5
+
+
 def max_abs_diff(a: list[dict], b: list[dict], key: str) -> float | None:
     """Largest |a - b| over the iterations where both curves have `key`."""
     pairs = [(x[key], y[key]) for x, y in zip(a, b) if x[key] != "" and y[key] != ""]
@@ -149,6 +165,7 @@ def main(argv=None) -> None:
             "gain": round(last["eval_accuracy"] - first["eval_accuracy"], 4),
             # the two ends as independent samples: conservative (they are the same problems)
             "gain_stderr": round((first["eval_stderr"] ** 2 + last["eval_stderr"] ** 2) ** 0.5, 4),
+            "gain_stderr_paired": _r(paired_gain_stderr(outs[mode], first["iteration"], last["iteration"])),
             "eval_stderr_start": first["eval_stderr"], "eval_points": len(ev),
             "max_abs_diff_reward": "", "max_abs_diff_eval": "", "tokens_identical_iterations": "",
             "wall_s": round(time.time() - t0, 1),

@@ -68,7 +68,8 @@ class Producer:
         self.engine, self.tokenizer, self.examples = engine, tokenizer, examples
         self.eval_examples = list(eval_examples)
         self.eval_results: dict[int, dict] = {}
-        """Greedy held-out accuracy per evaluated version: {'accuracy', 'n', 'stderr', 'iteration'}."""
+        """Greedy held-out accuracy per evaluated version: {'accuracy', 'n', 'stderr', 'iteration',
+        'correct' (0/1 per held-out example, in order: paired comparisons between versions)}."""
         self._eval_prompt_ids: list[list[int]] | None = None
         self.generation_done = threading.Event()
         self.shots, self.reward_fn, self.cfg = list(shots), reward_fn, cfg
@@ -181,7 +182,7 @@ class Producer:
         n = len(correct)
         acc = sum(correct) / n
         self.eval_results[version] = {"accuracy": acc, "n": n, "stderr": (acc * (1 - acc) / n) ** 0.5,
-                                      "iteration": iteration}
+                                      "iteration": iteration, "correct": [int(c) for c in correct]}
         return self.eval_results[version]
 
     def _score(self, out: RequestOutput, index: int, example: Example, iteration: int, version: int,
