@@ -1,0 +1,251 @@
+"""Checkpoints that mean what they say: `checkpoint-<t>` holds the state after exactly t completed
+iterations, and a run resumed from it continues the uninterrupted run's trajectory (same
+prompts, same sampled tokens, same weights: tests/test_checkpoint.py).
+
+Layout under `trainer.output_dir`:
+
+    checkpoint-<t>/          t = iterations completed = the policy's version
+        model.safetensors    the policy theta_t, with config.json: a Hugging Face model
+                             directory (usable as model.name_or_path), plus the tokenizer
+        trainer_state.pt     optimizer, lr-scheduler (and fp16 loss-scaler) state
+        rng_state.pt         torch CPU (and CUDA) generators, python `random`, numpy's global RNG
+        checkpoint.json      iteration, version, data position, the reference's source
+        complete             the marker, written last
+    checkpoint -> checkpoint-<newest>   a symbolic link, moved after each save
+
+Guarantees:
+- Atomic. A checkpoint is written into `checkpoint-<t>.tmp`, its `complete` marker last, and
+  renamed into place. `trainer.resume=auto` takes the newest `checkpoint-<t>` holding the
+  marker; a directory without it, or a `.tmp` left by a crash, is never loaded (the next save
+  removes it). Saving runs with signals deferred (`interrupt.deferred`).
+- The label matches the weights. t is the consumer's `version`, which changes together with
+  the optimizer step, so the checkpoint saved after a failure anywhere (a producer error, a
+  failed barrier, a signal) holds theta_t under the label t. A non-finite gradient is never
+  stepped, so the last checkpoint stays the last good state.
+- No pickle. Weights are safetensors; the other files hold tensors and plain containers,
+  loaded with `torch.load(weights_only=True)`; checkpoint.json is JSON.
+- The data position is the iteration. An iteration's prompts are a pure function of
+  (iteration, data.seed) (`data.iteration_prompts`), and each request's sampling seed one of
+  (data.seed, iteration, prompt) (`producer.request_seed`): t is all a resume needs.
+- The reference is the original run's. The tri-model's ref is the run's initial weights,
+  built from `model.name_or_path` (and `model.seed` for a preset), never from a checkpoint:
+  the checkpoint records that source, and a resume whose config names another one is refused
+  (e.g. model.name_or_path pointing at the checkpoint, whose ref would be the resumed policy).
+- The last `trainer.keep_last` complete checkpoints are kept; older ones are removed only once
+  the new one is complete. Checkpoints numbered above a new save belong to another trajectory
+  (a resume from an earlier checkpoint) and are removed too; a fresh run (no resume) removes
+  the earlier run's checkpoints, as it removes its logs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from periodic_async import interrupt
+from periodic_async.config import ModelConfig, RunConfig
+
+LATEST = "checkpoint"
+"""The symbolic link to the newest complete checkpoint (what `model.name_or_path=<run>/checkpoint` loads)."""
+MARKER = "complete"
+_NAME = re.compile(r"checkpoint-(\d+)")
+
+
+def path(out_dir: Path, iteration: int) -> Path:
+    return Path(out_dir) / f"checkpoint-{iteration}"
+
+
+def is_complete(ckpt: Path) -> bool:
+    return (Path(ckpt) / MARKER).is_file()
+
+
+def complete_checkpoints(out_dir: Path) -> dict[int, Path]:
+    """{t: checkpoint-<t>} of the complete checkpoints under `out_dir`, oldest first."""
+    found = {}
+    for p in Path(out_dir).glob("checkpoint-*"):
+        m = _NAME.fullmatch(p.name)
+        if m and p.is_dir() and not p.is_symlink() and is_complete(p):
+            found[int(m.group(1))] = p
+    return dict(sorted(found.items()))
+
+
+def latest(out_dir: Path) -> Path | None:
+    """The newest complete checkpoint under `out_dir`, or None."""
+    found = complete_checkpoints(out_dir)
+    return found[max(found)] if found else None
+
+
+def resume_dir(cfg: RunConfig) -> Path | None:
+    """The checkpoint `trainer.resume` names: 'auto' = the newest complete one in output_dir
+    (None if there is none: a fresh start); else that directory, which must be complete."""
+    resume = cfg.trainer.resume
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest(Path(cfg.trainer.output_dir))
+    if not is_complete(Path(resume)):
+        raise FileNotFoundError(f"trainer.resume={resume!r}: not a complete checkpoint (no {MARKER!r} marker)")
+    return Path(resume)
+
+
+def reference_source(model: ModelConfig) -> dict:
+    """Where the tri-model's reference (the initial weights) comes from: a model directory, or a
+    preset and its initialisation seed."""
+    p = Path(model.name_or_path)
+    if p.is_dir():
+        return {"name_or_path": str(p.resolve())}
+    return {"name_or_path": model.name_or_path, "seed": model.seed}
+
+
+def remove_all(out_dir: Path) -> None:
+    """A fresh run: the earlier run's checkpoints (complete or not) and the link go."""
+    out_dir = Path(out_dir)
+    link = out_dir / LATEST
+    if link.is_symlink():
+        link.unlink()
+    elif link.is_dir():  # the single-directory layout of earlier versions
+        shutil.rmtree(link)
+    for p in out_dir.glob("checkpoint-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def save(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunConfig) -> Path:
+    """Write checkpoint-<iteration> atomically, move the link, keep the last trainer.keep_last."""
+    out_dir = Path(out_dir)
+    final, tmp = path(out_dir, iteration), out_dir / f"checkpoint-{iteration}.tmp"
+    with interrupt.deferred():
+        shutil.rmtree(tmp, ignore_errors=True)
+        policy.save_pretrained(tmp)
+        if not list(tmp.glob("*.safetensors")) or list(tmp.glob("*.bin")):
+            raise RuntimeError(f"checkpoint {tmp}: the weights were not written as safetensors")
+        tokenizer.save_pretrained(tmp)
+        torch.save(consumer.state_dict(), tmp / "trainer_state.pt")
+        torch.save(_rng_state(), tmp / "rng_state.pt")
+        (tmp / "checkpoint.json").write_text(json.dumps({
+            "iteration": iteration, "version": iteration,
+            "data_position": {"iteration": iteration, "seed": cfg.data.seed,
+                              "note": "the prompts of iteration t are data.iteration_prompts(t, data.seed)"},
+            "reference": reference_source(cfg.model), "saved_at": time.time(),
+        }, indent=2))
+        (tmp / MARKER).write_text(f"{iteration}\n")
+        old = out_dir / f"checkpoint-{iteration}.old"
+        if final.exists():  # the same iteration again (a resume from an earlier checkpoint)
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        _link_latest(out_dir, final)
+        _prune(out_dir, iteration, cfg.trainer.keep_last)
+    return final
+
+
+def load(ckpt: Path, policy, consumer, cfg: RunConfig) -> int:
+    """Restore the policy (and old), optimizer, scheduler and RNG states from `ckpt` into a
+    consumer built from `cfg` (whose ref is the initial weights); returns the iteration to
+    run next. Refuses a config whose reference source differs from the checkpoint's."""
+    from safetensors.torch import load_file
+
+    ckpt = Path(ckpt)
+    info = json.loads((ckpt / "checkpoint.json").read_text())
+    if info["reference"] != reference_source(cfg.model):
+        raise ValueError(f"trainer.resume: checkpoint {str(ckpt)!r} was trained against the reference "
+                         f"{info['reference']}, this run's model.name_or_path={cfg.model.name_or_path!r} "
+                         f"(model.seed={cfg.model.seed}) gives {reference_source(cfg.model)}: resume with the "
+                         "original run's model settings (the reference is the initial weights, not the checkpoint)")
+    device = next(policy.parameters()).device
+    saved: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        saved.update(load_file(f, device=str(device)))
+    result = policy.load_state_dict(saved, strict=False)
+    current = policy.state_dict()
+    loaded_ptrs = {current[k].data_ptr() for k in saved if k in current}
+    untied = [k for k in result.missing_keys if current[k].data_ptr() not in loaded_ptrs]
+    if untied or result.unexpected_keys:
+        raise ValueError(f"checkpoint {str(ckpt)!r} does not fit the policy: missing {untied}, "
+                         f"unexpected {result.unexpected_keys}")
+    consumer.tri.refresh_old()
+    consumer.load_state_dict(torch.load(ckpt / "trainer_state.pt", weights_only=True))
+    consumer.version = int(info["iteration"])
+    _set_rng_state(torch.load(ckpt / "rng_state.pt", weights_only=True))
+    return int(info["iteration"])
+
+
+class Checkpoints:
+    """The checkpoints of one run: every `trainer.save_every` iterations, after a failure, at the end."""
+
+    def __init__(self, cfg: RunConfig, policy, tokenizer, consumer) -> None:
+        self.cfg, self.policy, self.tokenizer, self.consumer = cfg, policy, tokenizer, consumer
+        self.out = Path(cfg.trainer.output_dir)
+        self.start = consumer.version
+        self.saved: set[int] = set()
+
+    def save(self, iteration: int) -> Path:
+        if iteration not in self.saved:
+            save(self.out, iteration, self.policy, self.tokenizer, self.consumer, self.cfg)
+            self.saved.add(iteration)
+        return path(self.out, iteration)
+
+    def every(self, completed: int) -> None:
+        """After iteration completed-1: save when trainer.save_every divides `completed`."""
+        if self.cfg.trainer.save_every and completed % self.cfg.trainer.save_every == 0:
+            self.save(completed)
+
+    def after_failure(self) -> None:
+        """Keep what was trained: the weights of the consumer's version (the last completed
+        iteration; a failed iteration never stepped). With several optimizer steps per
+        iteration a failure may fall between them, where no label fits: nothing is saved."""
+        if self.cfg.algorithm.optimizer_steps_per_iteration == 1 and self.consumer.version > self.start:
+            self.save(self.consumer.version)
+
+
+def _link_latest(out_dir: Path, target: Path) -> None:
+    link, tmp = out_dir / LATEST, out_dir / f"{LATEST}.link-tmp"
+    if link.exists() and not link.is_symlink():  # the single-directory layout of earlier versions
+        shutil.rmtree(link)
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.name)
+    tmp.replace(link)  # atomic
+
+
+def _prune(out_dir: Path, newest: int, keep_last: int) -> None:
+    for p in [*out_dir.glob("checkpoint-*.tmp"), *out_dir.glob("checkpoint-*.old")]:
+        shutil.rmtree(p, ignore_errors=True)
+    found = complete_checkpoints(out_dir)
+    kept = [t for t in found if t <= newest][-keep_last:]
+    for t, p in found.items():
+        if t not in kept:
+            shutil.rmtree(p)
+    for p in out_dir.glob("checkpoint-*"):  # incomplete directories under a checkpoint's name
+        m = _NAME.fullmatch(p.name)
+        if m and p.is_dir() and not p.is_symlink() and not is_complete(p):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _rng_state() -> dict:
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss},
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["internal"].tolist()), py["gauss_next"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
