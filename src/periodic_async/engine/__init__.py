@@ -8,6 +8,7 @@ base.py     the contract (Request, SamplingParams, Sample, RequestOutput, Engine
 batcher.py  the continuous-batching scheduler and slot KV cache every built-in engine runs
 local.py    in-process engine (co-located baseline, tests)
 ray_engine.py  one Ray actor per worker, streamed results, object-store weight sync
+collective.py  weight sync by broadcast in a process group of trainer and workers (engine.weight_sync)
 vllm_engine.py vLLM adapter (GPU only; not exercised on CPU CI)
 """
 
@@ -30,7 +31,12 @@ def make_engine(engine_cfg, model_cfg, backend: str | None = None) -> Engine:
     if backend == "ray":
         from periodic_async.engine.ray_engine import RayEngine
 
-        return RayEngine(engine_cfg, model_cfg)
+        sync = None
+        if engine_cfg.weight_sync == "collective":
+            from periodic_async.engine.collective import CollectiveSync
+
+            sync = CollectiveSync.from_config(engine_cfg, model_cfg)
+        return RayEngine(engine_cfg, model_cfg, sync=sync)
     if backend == "vllm":
         from periodic_async.engine.vllm_engine import VLLMEngine
 

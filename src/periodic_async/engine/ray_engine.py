@@ -123,6 +123,11 @@ class EngineWorker:
     def abort(self, call: int) -> None:
         self._aborted = call
 
+    def set_weight_sync(self, sync) -> None:
+        """Receive weights through `sync` from now on (engine/collective.py joins its group here)."""
+        sync.join(self.batcher.device)
+        self.sync = sync
+
     def update_weights(self, handle, version: int) -> float:
         with self._lock:
             t = time.perf_counter()
@@ -177,6 +182,8 @@ class RayEngine(Engine):
         """OS process id of each worker (updated when one is restarted)."""
         try:
             self._start(range(engine_cfg.num_workers), None, 0)
+            if hasattr(self.sync, "attach"):  # a collective sync forms its process group with the workers
+                self.sync.attach(self.workers)
         except EngineError:
             self.close()
             raise
@@ -383,6 +390,8 @@ class RayEngine(Engine):
                 pass
         self.workers = []
         self._weights = None
+        if hasattr(self.sync, "close"):
+            self.sync.close()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
