@@ -80,16 +80,18 @@ class MeasuredRun:
     iterations: list[MeasuredIteration] = field(default_factory=list)
 
 
-def load_run(run_dir: str | Path, name: str | None = None, skip_first: bool = True) -> MeasuredRun:
+def load_run(run_dir: str | Path, name: str | None = None, skip_first: bool = True,
+             trainer_ranks: int = 1) -> MeasuredRun:
     """Read a run directory written by `pipeline.run` (config.yaml, metrics.jsonl,
-    rollouts.jsonl; checkpoint/*.safetensors for the model's bytes)."""
+    rollouts.jsonl; checkpoint*/*.safetensors for the model's bytes). trainer_ranks: the
+    torchrun ranks it trained on (its config does not say); trainer devices = ranks x threads."""
     d = Path(run_dir)
     cfg = yaml.safe_load((d / "config.yaml").read_text())
     e, a, t = cfg["engine"], cfg["algorithm"], cfg["trainer"]
     mode = cfg["pipeline"]["mode"]
-    ranks = int(t.get("ranks", 1) or 1)  # data-parallel trainer ranks, where the trainer has them
-    infer, train = e["num_workers"] * e["threads_per_worker"], t["threads"] * ranks
-    model_bytes = sum(p.stat().st_size for p in (d / "checkpoint").glob("*.safetensors"))
+    infer, train = e["num_workers"] * e["threads_per_worker"], t["threads"] * trainer_ranks
+    weights = sorted(d.glob("checkpoint*/*.safetensors"))
+    model_bytes = weights[-1].stat().st_size if weights else 0
     workload = Workload(a["prompts_per_iteration"], a["group_size"], e["max_num_seqs"], a["micro_batch_tokens"],
                         a["micro_batch_groups"], a["shared_prompt"], float(model_bytes))
     metrics = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -241,3 +241,69 @@ def plot_table2(csv_path: str | Path, out_path: str | Path, batch_csv: str | Pat
         ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, out_path)
+
+
+def plot_scaling(measured_csv: str | Path, simulated_csv: str | Path, out_path: str | Path):
+    """results/scaling_measured.csv + scaling_simulated.csv: (1) CPU points, measured iteration
+    time (median, min-max) beside the calibrated simulator's; (2) SIMULATED trained tokens/s
+    against devices, best split per mode, per device type, with linear scaling from the
+    smallest total; (3) SIMULATED tokens/s against the inference share of the devices."""
+    import csv
+
+    plt = _pyplot()
+    meas = list(csv.DictReader(Path(measured_csv).open()))
+    sim = list(csv.DictReader(Path(simulated_csv).open()))
+    colors = {"sync-colocated": "#4C72B0", "sync-separated": "#999999", "periodic-async": "#C44E52"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    points = {r["system"]: r for r in sim if r["section"] == "cpu-measured-point"}
+    x = list(range(len(meas)))
+    m = [float(r["iteration_s"]) for r in meas]
+    err = [[v - float(r["iteration_s_min"]) for v, r in zip(m, meas)], [float(r["iteration_s_max"]) - v for v, r in zip(m, meas)]]
+    ax.bar([i - 0.2 for i in x], m, 0.4, yerr=err, capsize=3, color="#55A868", label="measured (median, min-max)")
+    s = [float(points[r["system"]]["iteration_s"]) if r["system"] in points else 0.0 for r in meas]
+    ax.bar([i + 0.2 for i in x], s, 0.4, color="#DDDDDD", edgecolor="black", hatch="//", label="simulated (calibrated)")
+    for i, r in enumerate(meas):
+        if r["system"] in points:
+            ax.text(i + 0.2, s[i], f"{float(points[r['system']]['rel_error']):+.0%}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, [r["system"] for r in meas], rotation=20, fontsize=7)
+    ax.set(ylabel="seconds per iteration")
+    ax.set_title(f"CPU ({meas[0]['cpu_cores']} cores): measured vs simulated", fontsize=9, loc="left")
+    ax.legend(fontsize=7)
+    pred = [r for r in sim if r["section"] == "prediction"]
+    styles = ["-", "--", ":"]
+    ax = axes[1]
+    for k, dev in enumerate(dict.fromkeys(r["device_type"] for r in pred)):
+        for mode, color in colors.items():
+            best = sorted((int(r["devices"]), float(r["tokens_per_s"])) for r in pred
+                          if r["device_type"] == dev and r["mode"] == mode and r["best"] == "True")
+            if best:
+                ax.plot(*zip(*best), styles[k % 3], marker="o", ms=3, color=color, label=f"{mode}, {dev} (simulated)")
+        pa = sorted((int(r["devices"]), float(r["tokens_per_s"])) for r in pred
+                    if r["device_type"] == dev and r["mode"] == "periodic-async" and r["best"] == "True")
+        if pa:
+            ax.plot([pa[0][0], pa[-1][0]], [pa[0][1], pa[0][1] * pa[-1][0] / pa[0][0]], styles[k % 3], lw=0.8,
+                    color="black", alpha=0.5, label=f"linear from {pa[0][0]} ({dev})")
+    params = float(pred[0]["model_params"]) if pred else 0
+    ax.set(xlabel="devices", ylabel="trained tokens/s (simulated)")
+    ax.set_title(f"SIMULATED: {params / 1e9:.0f}B model, best split per mode", fontsize=9, loc="left")
+    ax.legend(fontsize=6)
+    ax = axes[2]
+    dev = pred[0]["device_type"] if pred else ""
+    top = max((int(r["devices"]) for r in pred), default=0)
+    for total, style in ((top, "-"), (top * 3 // 4, "--")):
+        for mode in ("sync-separated", "periodic-async"):
+            sweep = sorted((int(r["inference_devices"]) / total, float(r["tokens_per_s"])) for r in pred
+                           if r["device_type"] == dev and r["mode"] == mode and int(r["devices"]) == total)
+            if sweep:
+                ax.plot(*zip(*sweep), style, marker=".", color=colors[mode], label=f"{mode}, {total} devices (simulated)")
+        colo = [float(r["tokens_per_s"]) for r in pred if r["device_type"] == dev and r["mode"] == "sync-colocated"
+                and int(r["devices"]) == total]
+        if colo:
+            ax.axhline(colo[0], ls=style, color=colors["sync-colocated"], lw=1,
+                       label=f"sync-colocated, {total} devices (simulated)")
+    ax.set(xlabel="inference share of the devices", ylabel="trained tokens/s (simulated)")
+    ax.set_title(f"SIMULATED: the split ({dev})", fontsize=9, loc="left")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    return _save(fig, out_path)
