@@ -230,6 +230,8 @@ class RayEngine(Engine):
         `resent`. Raises EngineError when no restart is left."""
         if self.restarts_left <= 0:
             raise EngineError(reason, w, resent)
+        if hasattr(self.sync, "attach"):  # a collective sync's process group cannot take a new member
+            raise EngineError(f"{reason}; not restarted: restarts need the object-store weight sync", w, resent)
         self.restarts_left -= 1
         old_pid = self.pids[w]
         try:
@@ -249,6 +251,8 @@ class RayEngine(Engine):
             raise RuntimeError("add_workers during generate(): resize at an iteration boundary")
         if n < 0:
             raise ValueError(f"add_workers({n}): n must be >= 0")
+        if n and hasattr(self.sync, "attach"):
+            raise RuntimeError("add_workers needs the object-store weight sync (a collective group is fixed)")
         self._start(range(len(self.workers), len(self.workers) + n), self._weights, self._version)
         log.info("engine: %d workers (added %d at version %d)", len(self.workers), n, self._version)
 
