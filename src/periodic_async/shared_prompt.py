@@ -196,6 +196,15 @@ def _attention_kwargs(model, batch: PackedBatch, name: str) -> dict:
     return {"attention_mask": placeholder, "shared_prompt_plan": plan}
 
 
+def _is_fsdp(model) -> bool:
+    """A model sharded with FSDP2 `fully_shard` (trainer ranks, distributed.py)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
 _flex_failed = False
 """Set when FlexAttention raised once in this process: later calls go straight to split."""
 
@@ -216,23 +225,25 @@ def token_logprobs(model, batch: PackedBatch, with_entropy: bool = False, backen
     if temperature < 0:
         raise ValueError(f"token_logprobs: temperature={temperature} must be >= 0")
 
-    def hidden(name):
-        return model.base_model(input_ids=batch.input_ids_1xT, position_ids=batch.position_ids_1xT, use_cache=False,
-                                **_attention_kwargs(model, batch, name)).last_hidden_state
+    def label_logits(name):
+        kwargs = dict(input_ids=batch.input_ids_1xT, position_ids=batch.position_ids_1xT, use_cache=False,
+                      **_attention_kwargs(model, batch, name))
+        if _is_fsdp(model):  # FSDP2 gathers the root's weights (embeddings, tied lm_head) in its own forward only
+            return model(**kwargs, logits_to_keep=batch.pred_pos_N).logits[0]
+        h_NxD = model.base_model(**kwargs).last_hidden_state[0, batch.pred_pos_N]
+        return model.get_output_embeddings()(h_NxD)
 
     name = resolve_backend(backend, batch.input_ids_1xT.device)
     if name == "flex" and _flex_failed:
         name = "split"
     try:
-        hidden_1xTxD = hidden(name)
+        logits_NxV = label_logits(name)
     except Exception as err:  # FlexAttention compiles: a compiler failure must not stop training
         if name != "flex":
             raise
         _flex_failed = True
         _warn_once("flex-failed", f"FlexAttention failed ({type(err).__name__}: {str(err)[:200]}): using 'split'")
-        hidden_1xTxD = hidden("split")
-    h_NxD = hidden_1xTxD[0, batch.pred_pos_N]
-    logits_NxV = model.get_output_embeddings()(h_NxD)
+        logits_NxV = label_logits("split")
     if logits_NxV.dtype in (torch.bfloat16, torch.float16):
         logits_NxV = logits_NxV.float()
     if temperature not in (0, 1):
