@@ -43,8 +43,9 @@ model accuracy at any lr that moves it fast; what it gains comes as the cosine d
 the step. Errors on 1-2 step problems are spread over many arithmetic facts (first wrong line:
 a wrong result 168, a misread operand 66 of 236 failures), each needing its own signal.
 One-step problems (these settings): the same base solves 0.744 greedy; its errors are a
-misread operand (84 of 128) or a wrong sum (44), a single token each, and lr 1e-4 cosine moved
-it to 0.888 after 40 iterations.
+misread operand (84 of 128) or a wrong sum (44), a single token each. lr 1e-4 cosine over 100
+iterations (the in-process engine, sync-colocated) moved it to 0.762 / 0.744 / 0.818 / 0.888 /
+0.886 / 0.910 / 0.928 / 0.934 / 0.944 / 0.946 at 10, 20, ..., 100 (+20 points in 9 minutes).
 """
 
 from __future__ import annotations
