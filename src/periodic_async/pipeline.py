@@ -51,6 +51,7 @@ from periodic_async import checkpoint
 from periodic_async.config import RunConfig, save_run_info
 from periodic_async.consumer import Consumer
 from periodic_async.data import few_shot_examples, fit_to_context, load_examples
+from periodic_async.distributed import follow, init_ranks
 from periodic_async.engine import Engine, make_engine
 from periodic_async.group import Group
 from periodic_async.model import load_policy
@@ -123,6 +124,9 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     `engine` lets tests and benchmarks share one started engine. Whatever stops the run (an
     error, a signal, a failure while starting), what was started is released: the producer
     thread, the engine when the run built it (Ray with it), W&B, the progress bar."""
+    ranks = init_ranks(cfg)  # trainer ranks under torchrun (distributed.py); one process otherwise
+    if not ranks.is_main:
+        return follow(cfg, ranks)  # ranks > 0 train the groups they claim; no engines, no books
     out = Path(cfg.trainer.output_dir)
     save_run_info(cfg, out)
     torch.set_num_threads(cfg.trainer.threads)
@@ -134,8 +138,8 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     examples, evals = (fit_to_context(e, shots, tokenizer, cfg.engine.max_tokens, context, cfg.data.skip_too_long, what)
                        for e, what in ((examples, "training"), (evals, "held-out")))
     reward_fn = make_reward(cfg.reward)
-    tracer = Tracer(enabled=cfg.logging.trace)
-    consumer = Consumer(policy, cfg, tracer)  # tri-model's ref = the initial weights
+    tracer = Tracer(enabled=cfg.logging.trace, path=out / "trace.jsonl")  # streamed as recorded
+    consumer = Consumer(policy, cfg, tracer, ranks=ranks)  # tri-model's ref = the initial weights
     ckpt = checkpoint.resume_dir(cfg)
     if ckpt is not None:
         checkpoint.load(ckpt, policy, consumer, cfg)
@@ -145,10 +149,12 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
                      "summary.json"):
             (out / name).unlink(missing_ok=True)
         checkpoint.remove_all(out)
-    checkpoints = checkpoint.Checkpoints(cfg, policy, tokenizer, consumer)
+    ranks.start(consumer, consumer.version)  # every rank from rank 0's weights and optimizer state
+    checkpoints = ranks.checkpoints(checkpoint.Checkpoints(cfg, policy, tokenizer, consumer))
     start_iteration, last = consumer.version, cfg.trainer.iterations
     completed = start_iteration  # iterations whose optimizer step is done
     with contextlib.ExitStack() as started:  # closed in reverse order, whatever happens
+        started.callback(ranks.close)
         started.callback(tracer.write, out)
         if engine is None:
             engine = started.enter_context(build_engine(cfg))
@@ -165,7 +171,8 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
             t_start = time.time()
             mode.begin(producer, start_iteration, last)
             for iteration in range(start_iteration, last):  # the paper's Figure 1
-                groups = _Received(mode.groups(producer, iteration))
+                groups = ranks.hand_out(_Received(mode.groups(producer, iteration)), iteration,
+                                        mode.sampled_by(iteration))  # one process: the groups themselves
                 train = consumer.train_iteration(groups, iteration, mode.sampled_by(iteration),
                                                  engines_idle=producer.generation_done)
                 completed = consumer.version  # t+1: the policy's version, whatever happens at the barrier
@@ -229,6 +236,8 @@ class _Books:
                   completed: int) -> None:
         m = _iteration_metrics(groups, t_start, t_end, train, sync_s, self.cfg)
         m.update(self._new_evals())
+        m.update(self.producer.engine.stats())  # e.g. engine/workers, engine/worker_restarts (ray)
+        m["pipeline/queue_depth"] = self.producer.queue.qsize()  # groups waiting for the trainer now
         if self.cfg.logging.rollouts:
             _write_rollouts(self.out / "rollouts.jsonl", groups)
         self.logger.log(m, step=completed)
