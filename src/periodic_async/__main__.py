@@ -4,12 +4,17 @@
     python -m periodic_async sft --config experiments/sft.yaml
     python -m periodic_async eval --config experiments/sft.yaml model.name_or_path=runs/x/checkpoint
     python -m periodic_async plan --model-params 32e9 --devices 64 --batch 512 --group 16   (simulated; plan.py)
+
+A mistake in what the user gave (config, data, reward code, a missing path: `UserError` or
+FileNotFoundError) prints one line to stderr and exits non-zero (2 for config errors, 1
+otherwise); `--debug` or PERIODIC_ASYNC_DEBUG=1 shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -24,20 +29,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("command", choices=["train", "sft", "eval"])
     parser.add_argument("--config", default=None, help="YAML config (see experiments/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
+    parser.add_argument("--debug", action="store_true",
+                        help="full traceback on errors in the input (also PERIODIC_ASYNC_DEBUG=1)")
     args = parser.parse_intermixed_args(argv)
-    from periodic_async.config import ConfigError, RunConfig, SFTRunConfig, load_config
+    debug = args.debug or os.environ.get("PERIODIC_ASYNC_DEBUG", "") not in ("", "0")
+    from periodic_async.config import ConfigError, RunConfig, SFTRunConfig, UserError, load_config
     from periodic_async.interrupt import Interrupted, install
 
     install()  # SIGINT / SIGTERM stop the run cleanly (checkpoint saved, engines and Ray closed)
     try:
         if args.command == "train":
+            cfg = load_config(RunConfig, args.config, args.overrides)  # before the heavy imports: fails fast
             from periodic_async.pipeline import run
 
-            summary = run(load_config(RunConfig, args.config, args.overrides))
+            summary = run(cfg)
         elif args.command == "sft":
+            cfg = load_config(SFTRunConfig, args.config, args.overrides)
             from periodic_async.sft import run_sft
 
-            summary = run_sft(load_config(SFTRunConfig, args.config, args.overrides))
+            summary = run_sft(cfg)
         else:
             from periodic_async.data import few_shot_examples, load_examples
             from periodic_async.evaluate import evaluate
@@ -47,8 +57,13 @@ def main(argv: list[str] | None = None) -> None:
             model, tok = load_policy(cfg.model)
             r = evaluate(model, tok, load_examples(cfg.data, "eval"), few_shot_examples(cfg.data))
             summary = {k: v for k, v in r.items() if k != "samples"}
-    except ConfigError as e:
-        parser.exit(2, f"config error: {e}\n")
+    except (UserError, FileNotFoundError) as e:  # the user's input: one line, no traceback
+        if debug:
+            raise
+        what = "config error" if isinstance(e, ConfigError) else "error"
+        message = " | ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        parser.exit(2 if isinstance(e, ConfigError) else 1,
+                    f"{args.command}: {what}: {message} (--debug for the traceback)\n")
     except Interrupted as e:  # what was started is released; the last completed iteration is saved
         parser.exit(e.exit_code, f"{args.command}: {e}\n")
     print(json.dumps(summary, indent=2))
