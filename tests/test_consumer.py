@@ -112,7 +112,7 @@ def test_lr_schedule_runs_in_the_consumer_and_resumes(tokenizer):
     torch.save(consumer.state_dict(), buffer)
     buffer.seek(0)
     resumed = Consumer(build_model(cfg.model, tokenizer), cfg)
-    resumed.load_state_dict(torch.load(buffer, weights_only=True))  # as pipeline._load_checkpoint
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))  # as checkpoint.load
     for it in (2, 3):
         lrs.append(resumed.train_iteration(make_groups(tokenizer, it, it), it, it)["lr"])
     per_step = [expected_lr("cosine", s, 1e-3, 2, 8) for s in range(8)]

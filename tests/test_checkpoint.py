@@ -1,0 +1,321 @@
+"""Checkpoints mean what they say: a run stopped (or failed) at iteration k and resumed from its
+checkpoint gives the uninterrupted run's tokens and weights (fp64); a checkpoint loads without
+pickle; only the last k are kept; a partial one is never resumed; a non-finite gradient leaves
+the last good checkpoint; a failure while starting releases the engine; and SIGTERM stops the
+CLI cleanly, with a checkpoint and no process left behind."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from periodic_async import checkpoint
+from periodic_async.config import RunConfig, load_config
+from periodic_async.consumer import Consumer
+from periodic_async.engine import make_engine
+from periodic_async.engine.local import LocalEngine
+from periodic_async.model import load_policy
+from periodic_async.pipeline import run
+from periodic_async.trace import read_jsonl
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[1]
+
+
+def diversity_reward(prompts, completions, **kwargs):
+    """A dense reward an untrained model can vary on: distinct characters of the completion."""
+    return [len(set(c)) / 10.0 for c in completions]
+
+
+def absurd_reward(prompts, completions, **kwargs):
+    """Finite rewards so large that iteration 1's advantages, loss and gradient are not (6 groups
+    per iteration: calls 7-12 are iteration 1's)."""
+    calls = int(os.environ.get("_PA_ABSURD_CALLS", "0")) + 1
+    os.environ["_PA_ABSURD_CALLS"] = str(calls)
+    if 6 < calls <= 12:
+        return [1.7e308, 1.7e308] + [0.0] * (len(completions) - 2)
+    return diversity_reward(prompts, completions)
+
+
+def _cfg(out: Path, tokenizer_dir, **extra) -> RunConfig:
+    overrides = {
+        "model.tokenizer": str(tokenizer_dir), "model.dtype": "float64", "model.seed": 3,
+        "data.num_train": 64, "data.num_eval": 0, "data.seed": 5,
+        "reward.functions": f"{HERE}:diversity_reward", "reward.timeout_s": 0,  # in-process: fast
+        "engine.backend": "local", "engine.num_workers": 2,
+        "engine.max_num_seqs": 6, "engine.max_tokens": 12, "engine.stop": "e",
+        "algorithm.group_size": 3, "algorithm.prompts_per_iteration": 6, "algorithm.lr": 3e-3,
+        "algorithm.micro_batch_tokens": 120, "algorithm.beta": 0.05,
+        "trainer.iterations": 3, "trainer.save_every": 1, "trainer.keep_last": 2, "trainer.output_dir": str(out),
+        "trainer.eval_at_end": False, "pipeline.mode": "periodic-async", "logging.wandb_mode": "disabled",
+        "logging.progress": False,
+    }
+    overrides.update(extra)
+    return load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def _by_prompt(cfg: RunConfig) -> dict:
+    rows = read_jsonl(Path(cfg.trainer.output_dir) / "rollouts.jsonl")
+    return {(r["iteration"], r["prompt_index"]): (r["response_ids"], r["rewards"], r["version"]) for r in rows}
+
+
+def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return load_file(Path(ckpt) / "model.safetensors")
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer_dir, tmp_path_factory):
+    """The in-process engine: lock-step workers, no Ray (fast, and deterministic)."""
+    cfg = _cfg(tmp_path_factory.mktemp("e"), tokenizer_dir)
+    with make_engine(cfg.engine, cfg.model, backend="local") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def full(engine, tokenizer_dir, tmp_path_factory) -> RunConfig:
+    """The uninterrupted run: 3 iterations, a checkpoint after each, the last 2 kept."""
+    cfg = _cfg(tmp_path_factory.mktemp("full"), tokenizer_dir)
+    run(cfg, engine=engine)
+    return cfg
+
+
+class _BarrierFailsAt(LocalEngine):
+    """A real in-process engine whose weight sync fails once, at one version (fault injection)."""
+
+    fail_at = 2
+
+    def update_weights(self, state_dict, version):
+        if version == self.fail_at:
+            self.fail_at = -1
+            raise ConnectionError(f"weight sync to version {version} failed")
+        return super().update_weights(state_dict, version)
+
+
+@pytest.mark.parametrize("stop", ["stopped", "failed_barrier"])
+def test_resume_matches_uninterrupted(stop, engine, full, tokenizer_dir, tmp_path):
+    """Stopped after 2 iterations (trainer.iterations=2), or killed by a failed barrier to
+    version 2 after iteration 1's optimizer step: checkpoint-2 holds theta_2 (the label matches
+    the weights: the uninterrupted run's checkpoint-2), and resume=auto continues with the
+    uninterrupted run's tokens and weights (fp64)."""
+    part = _cfg(tmp_path, tokenizer_dir, **({"trainer.iterations": 2} if stop == "stopped" else {}))
+    if stop == "stopped":
+        run(part, engine=engine)
+    else:
+        flaky = _BarrierFailsAt.from_config(part.engine, part.model)
+        with pytest.raises(ConnectionError, match="version 2"):
+            run(part, engine=flaky)
+    ckpt = checkpoint.latest(tmp_path)
+    assert ckpt.name == "checkpoint-2"
+    assert json.loads((ckpt / "checkpoint.json").read_text())["iteration"] == 2
+    assert _max_diff(_weights(ckpt), _weights(Path(full.trainer.output_dir) / "checkpoint-2")) <= 1e-10
+
+    resumed = _cfg(tmp_path, tokenizer_dir, **{"trainer.resume": "auto"})
+    run(resumed, engine=engine)
+    got, want = _by_prompt(resumed), _by_prompt(full)
+    if stop == "failed_barrier":  # iteration 1 died at its barrier: its books were not kept
+        want = {k: v for k, v in want.items() if k[0] != 1}
+    assert got == want
+    assert {k[0] for k in got} == ({0, 1, 2} if stop == "stopped" else {0, 2})
+    final = Path(resumed.trainer.output_dir) / checkpoint.LATEST
+    assert final.resolve().name == "checkpoint-3"
+    w0 = load_policy(full.model)[0].state_dict()
+    assert _max_diff(_weights(final), {k: w0[k] for k in _weights(final)}) > 1e-3, "training must move the weights"
+    assert _max_diff(_weights(final), _weights(Path(full.trainer.output_dir) / "checkpoint-3")) <= 1e-10
+
+
+def test_checkpoint_loads_without_pickle(full):
+    """Every file of a checkpoint loads without unpickling code: weights from safetensors, the
+    rest with torch.load(weights_only=True) or as JSON; and it restores a consumer."""
+    ckpt = Path(full.trainer.output_dir) / "checkpoint-3"
+    files = sorted(p.name for p in ckpt.iterdir())
+    assert "model.safetensors" in files and checkpoint.MARKER in files
+    assert not [f for f in files if f.endswith((".bin", ".pkl", ".pickle", ".pth"))], files
+    for p in ckpt.iterdir():
+        if p.suffix == ".pt":
+            torch.load(p, weights_only=True)
+        elif p.suffix == ".json":
+            json.loads(p.read_text())
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+    assert {"optimizer", "scheduler"} <= state.keys() and state["scheduler"]["last_epoch"] == 3
+    rng = torch.load(ckpt / "rng_state.pt", weights_only=True)
+    assert {"torch", "python", "numpy"} <= rng.keys()
+    info = json.loads((ckpt / "checkpoint.json").read_text())
+    assert info["iteration"] == info["version"] == info["data_position"]["iteration"] == 3
+    assert info["reference"] == {"name_or_path": "qwen2-1m", "seed": 3}
+
+    policy, _ = load_policy(full.model)
+    consumer = Consumer(policy, full)
+    assert checkpoint.load(ckpt, policy, consumer, full) == 3 and consumer.version == 3
+    assert _max_diff({k: v for k, v in policy.state_dict().items() if k in _weights(ckpt)}, _weights(ckpt)) == 0
+
+
+def test_resume_keeps_the_original_reference(full):
+    """The tri-model's ref after a resume is the original run's (the initial weights), not the
+    resumed policy; a config whose model would give another ref is refused."""
+    ckpt = Path(full.trainer.output_dir) / "checkpoint-3"
+    initial = load_policy(full.model)[0].state_dict()
+    policy, _ = load_policy(full.model)
+    consumer = Consumer(policy, full)
+    checkpoint.load(ckpt, policy, consumer, full)
+    ref = consumer.tri.ref.state_dict()
+    assert _max_diff(ref, initial) == 0
+    assert _max_diff(ref, policy.state_dict()) > 1e-3
+    wrong = _cfg(Path(full.trainer.output_dir), full.model.tokenizer, **{"model.name_or_path": str(ckpt)})
+    policy, _ = load_policy(wrong.model)
+    with pytest.raises(ValueError, match="reference"):
+        checkpoint.load(ckpt, policy, Consumer(policy, wrong), wrong)
+
+
+def test_keep_last_k(full):
+    """3 iterations, a checkpoint after each, keep_last=2: checkpoint-2 and -3 remain, complete,
+    and the `checkpoint` link names the newest."""
+    out = Path(full.trainer.output_dir)
+    assert list(checkpoint.complete_checkpoints(out)) == [2, 3]
+    assert sorted(p.name for p in out.glob("checkpoint*")) == ["checkpoint", "checkpoint-2", "checkpoint-3"]
+    assert (out / "checkpoint").is_symlink() and (out / "checkpoint").resolve() == (out / "checkpoint-3").resolve()
+
+
+def test_resume_ignores_partial_checkpoint(engine, full, tokenizer_dir, tmp_path):
+    """A checkpoint-3 without its `complete` marker and a leftover checkpoint-4.tmp (even one
+    holding a marker) are not resumed: resume=auto takes checkpoint-2, trains iteration 2 and
+    ends on the uninterrupted run's weights; the next save removes the partial ones."""
+    src = Path(full.trainer.output_dir)
+    shutil.copytree(src / "checkpoint-2", tmp_path / "checkpoint-2")
+    shutil.copytree(src / "checkpoint-3", tmp_path / "checkpoint-3")
+    (tmp_path / "checkpoint-3" / checkpoint.MARKER).unlink()
+    shutil.copytree(src / "checkpoint-3", tmp_path / "checkpoint-4.tmp")
+    assert checkpoint.latest(tmp_path).name == "checkpoint-2"
+    resumed = _cfg(tmp_path, tokenizer_dir, **{"trainer.resume": "auto"})
+    run(resumed, engine=engine)
+    assert {k[0] for k in _by_prompt(resumed)} == {2}
+    assert _max_diff(_weights(tmp_path / "checkpoint-3"), _weights(src / "checkpoint-3")) <= 1e-10
+    assert list(checkpoint.complete_checkpoints(tmp_path)) == [2, 3]
+    assert not (tmp_path / "checkpoint-4.tmp").exists()
+
+
+def test_nonfinite_gradient_keeps_last_checkpoint(engine, tokenizer_dir, tmp_path, monkeypatch):
+    """Finite but absurd rewards at iteration 1 give NaN advantages and a non-finite gradient:
+    the run stops with an error naming the iteration and micro-batch, nothing is pushed to the
+    engines (they keep version 1), and checkpoint-1 stays the newest, complete and loadable."""
+    monkeypatch.setenv("_PA_ABSURD_CALLS", "0")
+    cfg = _cfg(tmp_path, tokenizer_dir, **{"reward.functions": f"{HERE}:absurd_reward"})
+    with pytest.raises(FloatingPointError,
+                       match=r"iteration 1, optimizer step 0, micro-batch \d+ \(prompts \[[\d, ]+\]\): non-finite"):
+        run(cfg, engine=engine)
+    assert engine.version == 1
+    ckpt = checkpoint.latest(tmp_path)
+    assert ckpt.name == "checkpoint-1" and list(checkpoint.complete_checkpoints(tmp_path)) == [1]
+    policy, _ = load_policy(cfg.model)
+    consumer = Consumer(policy, cfg)
+    assert checkpoint.load(ckpt, policy, consumer, cfg) == 1
+    assert all(bool(torch.isfinite(p).all()) for p in policy.parameters())
+
+
+class _FailsToStart:
+    """Stands for a component whose start-up fails (fault injection)."""
+
+    def __init__(self, *args, **kwargs):
+        raise OSError("failed to start")
+
+
+@pytest.mark.parametrize("component", ["Producer", "MetricsLogger"])
+def test_failure_while_starting_releases_the_engine(component, tokenizer_dir, tmp_path, monkeypatch):
+    """The run builds and starts its engine, then the producer or the metrics logger fails to
+    start: the engine is closed before the error reaches the caller."""
+    import periodic_async.pipeline as pipeline
+
+    built = []
+
+    def build_engine(cfg):  # the real engine, kept for the assertion
+        built.append(make_engine(cfg.engine, cfg.model))
+        assert built[-1].workers
+        return built[-1]
+
+    monkeypatch.setattr(pipeline, "build_engine", build_engine)
+    monkeypatch.setattr(pipeline, component, _FailsToStart)
+    with pytest.raises(OSError, match="failed to start"):
+        run(_cfg(tmp_path, tokenizer_dir))
+    assert len(built) == 1 and isinstance(built[0], LocalEngine)
+    assert built[0].workers == [], "the engine was not closed"
+
+
+@pytest.mark.slow
+def test_failure_while_starting_shuts_down_ray(tokenizer_dir, tmp_path, monkeypatch):
+    """As above with Ray engines the run started: Ray is shut down too."""
+    import ray
+
+    import periodic_async.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "MetricsLogger", _FailsToStart)
+    assert not ray.is_initialized()
+    with pytest.raises(OSError, match="failed to start"):
+        run(_cfg(tmp_path, tokenizer_dir, **{"engine.backend": "ray", "engine.num_workers": 1}))
+    assert not ray.is_initialized()
+
+
+def _tree(pid: int) -> list:
+    import psutil
+
+    parent = psutil.Process(pid)
+    return [parent, *parent.children(recursive=True)]
+
+
+@pytest.mark.slow
+def test_sigterm_leaves_no_processes(tokenizer_dir, tmp_path):
+    """`python -m periodic_async train` with Ray engines gets SIGTERM after its first iteration:
+    it exits 143 within 60 s, leaves a complete checkpoint of the last completed iteration,
+    and no process of its tree (Ray's gcs, raylet, workers, engine actors) survives."""
+    import psutil
+
+    out = tmp_path / "run"
+    overrides = {
+        "model.tokenizer": str(tokenizer_dir), "model.name_or_path": "qwen2-micro", "data.num_train": 64,
+        "data.num_eval": 0, "reward.functions": f"{HERE}:diversity_reward", "reward.timeout_s": 0,
+        "engine.backend": "ray",
+        "engine.num_workers": 1, "engine.max_num_seqs": 6, "engine.max_tokens": 12,
+        "algorithm.group_size": 2, "algorithm.prompts_per_iteration": 4, "trainer.iterations": 10000,
+        "trainer.output_dir": str(out), "trainer.eval_at_end": False, "logging.wandb_mode": "disabled",
+        "logging.progress": False,
+    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "periodic_async", "train",
+                             *[f"{k}={v}" for k, v in overrides.items()]],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.time() < deadline, "no iteration finished within 240 s"
+            time.sleep(0.5)
+        time.sleep(1.0)  # Ray's workers and agents are all up by now
+        tree = _tree(proc.pid)
+        assert len(tree) > 3, [p.name() for p in tree]  # the CLI, gcs, raylet, the engine worker, ...
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            pytest.fail("the CLI did not exit within 60 s of SIGTERM")
+        assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+        done = len(read_jsonl(out / "metrics.jsonl"))
+        ckpt = checkpoint.latest(out)
+        assert ckpt is not None, output[-3000:]
+        label = json.loads((ckpt / "checkpoint.json").read_text())["iteration"]
+        assert label in (done, done + 1)  # SIGTERM may land after an optimizer step, before its books
+        _, alive = psutil.wait_procs(tree, timeout=20)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
