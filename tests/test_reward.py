@@ -161,3 +161,99 @@ def test_non_finite_or_malformed_reward_is_named():
     with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
         combined_reward([lambda p, c, **k: [1.0]], [1.0])(["p"] * 2, ["a", "b"])
     assert combined_reward([lambda p, c, **k: [0.5] * len(c)], [2.0])(["p"], ["a"]) == [1.0]
+
+
+# --- through the producer: what a run sees when a user reward misbehaves ----------------------
+
+SLOW = ("import time\n\ndef slow_reward(prompts, completions, **kw):\n"
+        "    time.sleep(120)\n    return [0.0] * len(completions)\n")
+NAN = "def nan_reward(prompts, completions, **kw):\n    return [1.0] + [float('nan')] * (len(completions) - 1)\n"
+
+
+@pytest.fixture(scope="module")
+def local_engine(tokenizer_dir):
+    from periodic_async.config import ModelConfig
+    from periodic_async.engine.local import LocalEngine
+    from periodic_async.model import load_policy
+
+    policy, tok = load_policy(ModelConfig(name_or_path="qwen2-micro", tokenizer=str(tokenizer_dir)))
+    return LocalEngine(policy, tok, max_num_seqs=4), tok
+
+
+def _first_iteration(local_engine, tmp_path, source: str, spec: str, timeout_s: float):
+    """Generate and score iteration 0 (2 prompts x 2 samples) with the reward `spec` defined by
+    `source`, through `make_reward` and the `Producer` as a run does; returns the error raised."""
+    from periodic_async.config import RunConfig, load_config
+    from periodic_async.data import load_examples
+    from periodic_async.producer import Producer
+    from periodic_async.reward import RewardError, make_reward
+
+    path = tmp_path / f"{spec}.py"
+    path.write_text(source)
+    cfg = load_config(RunConfig, None, [f"reward.functions={path}:{spec}", f"reward.timeout_s={timeout_s}",
+                                        "data.num_train=8", "data.num_eval=0", "engine.max_tokens=3",
+                                        "algorithm.group_size=2", "algorithm.prompts_per_iteration=2"])
+    engine, tok = local_engine
+    producer = Producer(engine, tok, load_examples(cfg.data), [], make_reward(cfg.reward), cfg)
+    producer.start(0)
+    with pytest.raises(RewardError) as err:
+        for _ in producer.stream(poll_s=0.2):
+            pass
+    producer.close()
+    return str(err.value)
+
+
+def _children_running(name: str) -> list:
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and name in " ".join(p.cmdline())]
+
+
+def test_reward_timeout(local_engine, tmp_path):
+    """A user reward that hangs stops the run within about reward.timeout_s (not the 120 s it
+    sleeps) with a RewardError naming the function, the group and the timeout; its worker
+    process is killed."""
+    import re
+    import time
+
+    from periodic_async.config import DataConfig
+    from periodic_async.data import iteration_prompts, load_examples
+
+    t0 = time.time()
+    msg = _first_iteration(local_engine, tmp_path, SLOW, "slow_reward", timeout_s=2.0)
+    assert time.time() - t0 < 60, msg
+    assert "slow_reward" in msg and "timed out" in msg and "after 2 s (reward.timeout_s)" in msg, msg
+    m = re.match(r"iteration 0, prompt (\d+) ", msg)
+    batch = iteration_prompts(load_examples(DataConfig(num_train=8, num_eval=0)), 0, 2, 0)
+    assert m and int(m.group(1)) in {i for i, _ in batch}, msg
+    assert _children_running("slow_reward") == []
+
+
+def test_nan_reward_names_the_group(local_engine, tmp_path):
+    """A NaN from a user reward (run in its worker process, through the producer) stops the run
+    with a RewardError naming the function, the iteration, the prompt and the value."""
+    import re
+
+    msg = _first_iteration(local_engine, tmp_path, NAN, "nan_reward", timeout_s=60.0)
+    assert re.match(r"iteration 0, prompt \d+ \(request it0-p\d+-\d\): RewardError: ", msg), msg
+    assert "nan_reward" in msg and "returned non-finite reward(s) nan (completion 1)" in msg, msg
+
+
+def test_reward_worker_imports_only_what_is_named(tmp_path, monkeypatch):
+    """Reward code comes only from the module or file named: a module of the same name in the
+    working directory is not what the worker process imports (it uses the caller's sys.path,
+    without `python -c`'s implicit working directory)."""
+    import sys
+
+    from periodic_async.reward import combined_reward
+
+    (tmp_path / "periodic_async").mkdir()
+    (tmp_path / "periodic_async" / "__init__.py").write_text("raise SystemExit('imported from the cwd')\n")
+    spec_file = tmp_path / "named.py"
+    spec_file.write_text("def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    assert "" not in sys.path and str(tmp_path) not in sys.path
+    reward = combined_reward([f"{spec_file}:one"], [1.0], timeout_s=60)
+    assert reward(["p"], ["a", "b"], answer=["1", "1"]) == [1.0, 1.0]
+    reward.close()
