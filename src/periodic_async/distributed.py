@@ -115,7 +115,9 @@ class Ranks:
             for module in model.modules():
                 if type(module).__name__.endswith("DecoderLayer"):
                     fully_shard(module, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            # The root too reshards after its forward (FSDP2 would keep a root's weights gathered
+            # until a backward that old and ref never run): every model stays sharded between steps.
+            fully_shard(model, mesh=mesh, reshard_after_forward=True)
             model.set_gradient_divide_factor(1.0)  # sums: the normaliser is applied once, later
         return model
 
@@ -192,6 +194,14 @@ class Ranks:
         version rank 0 says sampled them."""
         return _Claims(self, iteration)
 
+    def checkpoints(self, checkpoints):
+        """What saves the run's checkpoints: rank 0's `checkpoint.Checkpoints` (ddp: rank 0 holds
+        the whole state), nothing under fsdp (not implemented: weights and optimizer are sharded)."""
+        if self.lockstep:
+            print("[train] trainer.parallel=fsdp: checkpoints are not written (not implemented)")
+            return _NoCheckpoints()
+        return checkpoints
+
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
@@ -243,6 +253,17 @@ def _all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
             bucket.append(g)
 
 
+class _NoCheckpoints:
+    def save(self, iteration: int) -> None:
+        pass
+
+    def every(self, completed: int) -> None:
+        pass
+
+    def after_failure(self) -> None:
+        pass
+
+
 class _Failed:
     """Written in place of the groups rank 0 could not publish: the other ranks raise it."""
 
@@ -256,6 +277,8 @@ class _Claims:
     def __init__(self, ranks: Ranks, iteration: int) -> None:
         self.ranks, self.iteration = ranks, iteration
         self.store, self.prefix = ranks.store, f"{iteration}/"
+        self.taken = 0
+        """Groups this rank has claimed so far."""
 
     @property
     def version(self) -> int:
@@ -274,6 +297,7 @@ class _Claims:
             self.store.delete_key(self.prefix + str(k))
             if isinstance(item, _Failed):
                 self._failed(k, item)
+            self.taken += 1
             yield item
 
     def _failed(self, k: int, item: _Failed) -> None:
@@ -328,6 +352,7 @@ def follow(cfg, ranks: Ranks) -> dict:
     torch.manual_seed(cfg.model.seed)
     policy, _ = load_policy(cfg.model)
     consumer = Consumer(policy, cfg, ranks=ranks)
+    taken = []
     try:
         start = ranks.start(consumer, 0)
         consumer.engine_state_dict()  # rank 0's first barrier (a gather under fsdp)
@@ -335,6 +360,7 @@ def follow(cfg, ranks: Ranks) -> dict:
             claims = ranks.claims(iteration)
             consumer.train_iteration(claims, iteration, claims.version)
             consumer.engine_state_dict()  # the barrier
+            taken.append(claims.taken)
     finally:
         ranks.close()
-    return {"rank": ranks.rank, "iterations": cfg.trainer.iterations}
+    return {"rank": ranks.rank, "first_iteration": start, "groups_trained": taken}
