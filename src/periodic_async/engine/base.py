@@ -210,11 +210,11 @@ class WeightSync(ABC):
     """How new weights travel from the trainer to the workers at the barrier.
 
     `publish` runs once on the trainer side and returns a handle that is sent to every worker;
-    `receive` runs on each worker and returns the tensors to load. On one node the handle is a
-    Ray object-store reference (`ObjectStoreSync` in ray_engine.py). An NCCL/HCCL
-    implementation would make `publish` a broadcast from the trainer's rank in a process
-    group shared with the workers (handle = metadata: names, shapes, dtypes) and `receive` the
-    matching broadcast into preallocated device buffers, with no host copy.
+    `receive` runs on each worker and returns the tensors to load. Two implementations
+    (`engine.weight_sync`): `ObjectStoreSync` (ray_engine.py; the handle is a Ray object-store
+    reference) and `CollectiveSync` (collective.py; `publish` starts broadcasts from the
+    trainer's rank in a process group shared with the workers, the handle is the metadata:
+    names, shapes, dtypes, offsets; `receive` posts the matching broadcasts into kept buffers).
     """
 
     @abstractmethod
