@@ -138,3 +138,123 @@ def test_bad_files_name_the_problem(tmp_path):
     nohash.write_text(json.dumps({"question": "Q", "answer": "5"}) + "\n")
     with pytest.raises(ValueError, match=r"nohash.jsonl:1 \(format gsm8k\): GSM8K answer has no '####'"):
         load_examples(DataConfig(source=str(nohash), format="gsm8k"))
+
+
+# --- bad input: every error names the file and the 1-based line or row ------------------------
+
+def _jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    from periodic_async.data import DataError
+
+    src = _jsonl(tmp_path / "bad.jsonl", [json.dumps({"question": "Q", "answer": "#### 1"}), "", '{"question": "Q2",'])
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: invalid JSON"):
+        load_examples(DataConfig(source=src))
+
+
+def test_malformed_json_file_names_file_and_line(tmp_path):
+    from periodic_async.data import DataError
+
+    p = tmp_path / "bad.json"
+    p.write_text('[\n  {"question": "Q", "answer": "#### 1"},\n  {"question": oops}\n]\n')
+    with pytest.raises(DataError, match=r"bad\.json:3: invalid JSON"):
+        load_examples(DataConfig(source=str(p)))
+
+
+def test_missing_field_names_file_and_line_or_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from periodic_async.data import DataError
+
+    src = _jsonl(tmp_path / "gsm.jsonl", [json.dumps({"question": "Q", "answer": "#### 1"}),
+                                          json.dumps({"question": "Q2"})])
+    with pytest.raises(DataError, match=r"gsm\.jsonl:2 \(format gsm8k\): missing field 'answer'"):
+        load_examples(DataConfig(source=src, format="gsm8k"))
+    p = tmp_path / "math.parquet"
+    pq.write_table(pa.Table.from_pylist([{"problem": "P1", "answer": "1"}, {"problem": None, "answer": "2"}]), p)
+    with pytest.raises(DataError, match=r"math\.parquet row 2 \(format aime\): missing field 'problem'/'Problem'"):
+        load_examples(DataConfig(source=str(p), format="aime"))
+
+
+def test_wrong_type_names_file_and_line_or_row(tmp_path):
+    from periodic_async.data import DataError
+
+    p = tmp_path / "list.json"
+    p.write_text(json.dumps([{"question": "Q", "answer": "#### 1"}, {"question": ["not", "text"], "answer": "#### 2"}]))
+    with pytest.raises(DataError, match=r"list\.json row 2 \(format gsm8k\): field 'question' is list"):
+        load_examples(DataConfig(source=str(p), format="gsm8k"))
+    src = _jsonl(tmp_path / "aime.jsonl", [json.dumps({"problem": "P", "answer": 3}),
+                                           json.dumps({"problem": "P2", "answer": {"value": 4}})])
+    with pytest.raises(DataError, match=r"aime\.jsonl:2 \(format aime\): field 'answer' is dict"):
+        load_examples(DataConfig(source=src, format="aime"))
+    src = _jsonl(tmp_path / "array.jsonl", [json.dumps(["Q", "#### 1"])])
+    with pytest.raises(DataError, match=r"array\.jsonl:1: expected an object with question/answer fields, got list"):
+        load_examples(DataConfig(source=src))
+
+
+def test_empty_file_names_the_source(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from periodic_async.data import DataError
+
+    blank = _jsonl(tmp_path / "blank.jsonl", ["", "  "])
+    with pytest.raises(DataError, match=f"data.source '{re.escape(blank)}' .*has no examples"):
+        load_examples(DataConfig(source=blank))
+    (tmp_path / "empty.json").write_text("[]")
+    with pytest.raises(DataError, match=r"empty\.json' .*has no examples"):
+        load_examples(DataConfig(source=str(tmp_path / "empty.json")))
+    p = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"question": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), p)
+    with pytest.raises(DataError, match=r"empty\.parquet' .*has no examples"):
+        load_examples(DataConfig(source=str(p)))
+
+
+def test_empty_dataset_split_names_the_source(tmp_path):
+    from periodic_async.data import DataError
+
+    d = tmp_path / "ds"
+    d.mkdir()
+    (d / "train.jsonl").write_text(json.dumps({"question": "Q?", "answer": "#### 5"}) + "\n")
+    (d / "test.jsonl").write_text("")
+    with pytest.raises(DataError, match=f"data.source '{re.escape(str(d))}' \\(data.split 'test'\\) cannot be loaded"):
+        load_examples(DataConfig(source=str(d), split="test"))
+
+
+def test_prompt_longer_than_context(tmp_path, tokenizer_dir, tokenizer, capsys):
+    """A prompt whose tokens + engine.max_tokens exceed the model's context stops the run at
+    start-up naming the example and the numbers; with data.skip_too_long it is skipped and
+    counted instead."""
+    from periodic_async.config import RunConfig, load_config
+    from periodic_async.data import DataError, fit_to_context
+    from periodic_async.pipeline import run
+    from periodic_async.tokenizer import encode_chat
+
+    long_q = "Ava has 3 apples and " * 40 + "how many?"
+    src = _jsonl(tmp_path / "q.jsonl", [json.dumps({"question": q, "answer": "#### 1"})
+                                        for q in ("Q one?", long_q, "Q three?")])
+    n_long = len(encode_chat(tokenizer, prompt_messages(load_examples(DataConfig(source=src))[1])))
+    max_tokens = 8192 - 100  # the presets' context is 8192: room for a 100-token prompt
+    assert n_long > 100
+    cfg = load_config(RunConfig, None, [f"data.source={src}", "data.num_train=0", "data.num_eval=0",
+                                        f"engine.max_tokens={max_tokens}", "engine.backend=local",
+                                        f"model.tokenizer={tokenizer_dir}", "model.name_or_path=qwen2-micro",
+                                        f"trainer.output_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled"])
+    with pytest.raises(DataError) as err:
+        run(cfg)
+    msg = str(err.value)
+    assert msg.startswith("1 of 3 training prompts do not fit the model's context; the first: training example 1 "
+                          f"({long_q[:60]!r}): "), msg
+    assert (f"prompt of {n_long} tokens (chat template) + engine.max_tokens={max_tokens} = {n_long + max_tokens} > "
+            "the model's context of 8192 tokens (max_position_embeddings)") in msg, msg
+    assert "data.skip_too_long=true" in msg
+    capsys.readouterr()
+    kept = fit_to_context(load_examples(DataConfig(source=src)), [], tokenizer, max_tokens, 8192, skip=True)
+    assert [e.question for e in kept] == ["Q one?", "Q three?"]
+    assert capsys.readouterr().out.count("skipped 1 of 3 training examples too long") == 1
+    assert fit_to_context(load_examples(DataConfig(source=src)), [], tokenizer, 16, 8192) == \
+        load_examples(DataConfig(source=src))  # everything fits: nothing dropped

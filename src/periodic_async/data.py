@@ -205,7 +205,12 @@ def _read_records(source: str, split: str) -> list[tuple[str, object]]:
         return [(f"{source} row {i}", r) for i, r in enumerate(rows, 1)]
     import datasets  # a Hugging Face dataset name or directory (data only: datasets runs no dataset scripts)
 
-    return [(f"{source}[{split}] row {i}", r) for i, r in enumerate(datasets.load_dataset(source, split=split), 1)]
+    try:
+        rows = datasets.load_dataset(source, split=split)
+    except Exception as e:  # datasets' messages name neither the source nor the setting
+        raise DataError(f"data.source {source!r} (data.split {split!r}) cannot be loaded: {type(e).__name__}: "
+                        f"{e}") from e
+    return [(f"{source}[{split}] row {i}", r) for i, r in enumerate(rows, 1)]
 
 
 def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
