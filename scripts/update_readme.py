@@ -31,7 +31,9 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
                       "mean_generate_s", "mean_train_s", "mean_prompt_tokens", "repeats"]),
     "reward_curves": ("reward_curves_summary.csv", "experiments/reward_curves.sh",
                       "Held-out greedy accuracy (eval_n problems, ± binomial standard error) before and after "
-                      "RL from the RL base policy (experiments/rl_base.yaml), three modes from one seed; "
+                      "RL from the RL base policy (experiments/rl_base.yaml), three modes from one seed; `gain` "
+                      "± `gain_stderr_paired` (per-problem differences; `gain_stderr` treats the ends as "
+                      "independent); "
                       "`max_abs_diff_vs_sync`: the largest per-iteration gap to sync-separated in training "
                       "reward or held-out accuracy (curves: figures/reward_curves.png)."),
     "shared_prompt": ("shared_prompt.csv", "experiments/shared_prompt_ablation.sh",
@@ -118,14 +120,18 @@ def _shared_async(rows):
 def _reward_curves(rows):
     def acc(r):
         se = f" ± {float(r['eval_stderr']):.3f}" if r.get("eval_stderr") else ""
-        return f"{r['mode']} {float(r['eval_accuracy_end']):.3f}{se}"
+        gain = ""
+        if r.get("gain_stderr_paired"):
+            gain = f" ({100 * float(r['gain']):+.1f} ± {100 * float(r['gain_stderr_paired']):.1f} points)"
+        return f"{r['mode']} {float(r['eval_accuracy_end']):.3f}{se}{gain}"
     start = rows[0]["eval_accuracy_start"]
     out = f"held-out accuracy {float(start):.3f} → " + ", ".join(acc(r) for r in rows)
     if rows[0].get("eval_n"):
         out += f" (n = {rows[0]['eval_n']})"
     diffs = [(r["mode"], r["max_abs_diff_vs_sync"]) for r in rows if r.get("max_abs_diff_vs_sync") not in (None, "")]
     if diffs:
-        out += "; largest per-iteration reward gap to sync: " + ", ".join(f"{m} {float(d):.3g}" for m, d in diffs)
+        out += ("; largest per-iteration gap to sync (training reward or held-out accuracy): "
+                + ", ".join(f"{m} {float(d):.3g}" for m, d in diffs))
     elif rows[0].get("tokens_identical_iterations"):
         out += f"; every sampled token identical in {rows[-1]['tokens_identical_iterations']} iterations"
     return out

@@ -48,7 +48,23 @@ def test_reward_curves_quick(tmp_path, tokenizer_dir, experiment_script):
     assert [r["mode"] for r in rows] == ["sync-separated", "periodic-async", "async-offpolicy"]
     assert list(rows[0])[:7] == ["mode", "eval_accuracy_start", "eval_accuracy_end", "eval_stderr", "eval_n",
                                  "max_abs_diff_vs_sync", "tokens_per_s"]
+    assert all(r["gain_stderr_paired"] != "" for r in rows)
     assert (tmp_path / "reward_curves.png").stat().st_size > 10_000
+
+
+def test_paired_gain_stderr(tmp_path, experiment_script):
+    """The gain's paired standard error is sd(d)/sqrt(n) over per-problem differences d."""
+    import json
+    import statistics
+
+    start, end = [1, 0, 1, 0, 0, 1], [1, 1, 1, 0, 1, 0]
+    with (tmp_path / "eval.jsonl").open("w") as f:
+        for step, correct in ((0, start), (10, end)):
+            f.write(json.dumps({"step": step, "accuracy": sum(correct) / 6, "correct": correct}) + "\n")
+    d = [b - a for a, b in zip(start, end)]
+    got = experiment_script("reward_curves").paired_gain_stderr(tmp_path, 0, 10)
+    assert got == pytest.approx(statistics.stdev(d) / len(d) ** 0.5)
+    assert experiment_script("reward_curves").paired_gain_stderr(tmp_path, 0, 20) is None  # no such version
 
 
 @pytest.mark.slow
