@@ -273,49 +273,57 @@ def _tree(pid: int) -> list:
     return [parent, *parent.children(recursive=True)]
 
 
-@pytest.mark.slow
-def test_sigterm_leaves_no_processes(tokenizer_dir, tmp_path):
-    """`python -m periodic_async train` with Ray engines gets SIGTERM after its first iteration:
-    it exits 143 within 60 s, leaves a complete checkpoint of the last completed iteration,
-    and no process of its tree (Ray's gcs, raylet, workers, engine actors) survives."""
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.slow)])
+def test_sigterm_leaves_no_processes(backend, tokenizer_dir, tmp_path):
+    """`python -m periodic_async train` gets SIGTERM after its first iteration: it exits 143
+    within 60 s, leaves a complete checkpoint of the last completed iteration, and no process
+    of its tree survives (with Ray engines: Ray's gcs, raylet, agents, workers, engine actors)."""
     import psutil
 
     out = tmp_path / "run"
     overrides = {
         "model.tokenizer": str(tokenizer_dir), "model.name_or_path": "qwen2-micro", "data.num_train": 64,
         "data.num_eval": 0, "reward.functions": f"{HERE}:diversity_reward", "reward.timeout_s": 0,
-        "engine.backend": "ray",
-        "engine.num_workers": 1, "engine.max_num_seqs": 6, "engine.max_tokens": 12,
+        "engine.backend": backend, "engine.num_workers": 1, "engine.max_num_seqs": 6, "engine.max_tokens": 12,
         "algorithm.group_size": 2, "algorithm.prompts_per_iteration": 4, "trainer.iterations": 10000,
         "trainer.output_dir": str(out), "trainer.eval_at_end": False, "logging.wandb_mode": "disabled",
         "logging.progress": False,
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "periodic_async", "train",
-                             *[f"{k}={v}" for k, v in overrides.items()]],
-                            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "train.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "periodic_async", "train",
+                                 *[f"{k}={v}" for k, v in overrides.items()]],
+                                env=env, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT)
+    output = lambda: log.read_text()[-3000:]  # noqa: E731
+    tree = []
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + 300
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
-            assert time.time() < deadline, "no iteration finished within 240 s"
+            assert proc.poll() is None, output()
+            assert time.time() < deadline, "no iteration finished within 300 s"
             time.sleep(0.5)
         time.sleep(1.0)  # Ray's workers and agents are all up by now
         tree = _tree(proc.pid)
-        assert len(tree) > 3, [p.name() for p in tree]  # the CLI, gcs, raylet, the engine worker, ...
+        if backend == "ray":
+            assert len(tree) > 3, [p.name() for p in tree]  # the CLI, gcs, raylet, the engine worker, ...
         proc.send_signal(signal.SIGTERM)
         try:
-            output = proc.communicate(timeout=60)[0]
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pytest.fail("the CLI did not exit within 60 s of SIGTERM")
-        assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+        assert proc.returncode == 128 + signal.SIGTERM, output()
+        assert "stopped by SIGTERM" in output()
         done = len(read_jsonl(out / "metrics.jsonl"))
         ckpt = checkpoint.latest(out)
-        assert ckpt is not None, output[-3000:]
+        assert ckpt is not None, output()
         label = json.loads((ckpt / "checkpoint.json").read_text())["iteration"]
-        assert label in (done, done + 1)  # SIGTERM may land after an optimizer step, before its books
+        assert label >= 1 and label in (done, done + 1)  # SIGTERM may land after a step, before its books
         _, alive = psutil.wait_procs(tree, timeout=20)
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in [proc, *tree]:
+            try:
+                p.kill()
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
