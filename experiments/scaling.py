@@ -8,8 +8,9 @@ predictions (labelled simulated) for 16-64 accelerators.
    median with min and max, first iteration of every run excluded, commit + config hash per
    row): sync-separated and periodic-async with 1 and 2 engine workers (engine.num_workers). On this 2-core machine periodic-async with 2 engine
    workers runs 3 busy workers on 2 cores: it measures oversubscription, not scale-out, and
-   the simulator models it as such (processor sharing). Trainer ranks (torchrun) are measured
-   only when `periodic_async.distributed` exists and --trainer-ranks is given.
+   the simulator models it as such (processor sharing). With --trainer-ranks also sync-separated
+   with 1 and 2 torchrun trainer ranks (periodic_async.distributed; each run a subprocess with
+   its own engine; speedup_vs_1 compares r2 with r1).
 2. The simulator (periodic_async.simulate) is calibrated on every measured run
    (periodic_async.calibrate.fit_costs) and re-simulates each run's iterations from their own
    response lengths: relative error of the median iteration time per system, in-sample and
@@ -25,13 +26,15 @@ and <figures>/scaling.png.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from periodic_async.bench import SharedEngines, System, measure, write_csv
+from periodic_async.bench import SharedEngines, System, measure, settings_dict, write_csv
 from periodic_async.calibrate import MeasuredRun, fit_costs, load_run, simulate_measured
 from periodic_async.config import RunConfig, load_config
 from periodic_async.engine.ray_engine import init_ray
@@ -55,6 +58,30 @@ PREDICTION = dict(batch=512, group=16, prompt_tokens=512, response_median=1024, 
 MODEL_PARAMS = 32e9
 
 
+def _metrics(summary: dict, r: MeasuredRun) -> dict:
+    its = r.iterations
+    return {**summary, "devices": r.deployment.devices,
+            "iteration_s": statistics.fmean(i.metrics["time/iteration_s"] for i in its),
+            "generate_s": statistics.fmean(i.metrics["time/generate_s"] for i in its),
+            "train_s": statistics.fmean(i.metrics["time/train_s"] for i in its),
+            "sync_s": statistics.fmean(i.metrics["time/sync_s"] for i in its)}
+
+
+def torchrun_system(name: str, ranks: int, overrides: list[str], measured: dict, cfg: RunConfig) -> System:
+    """A run with `ranks` trainer ranks: `torchrun --nproc-per-node=ranks -m periodic_async train`
+    in a subprocess (its own engines and Ray, started before iteration 0, outside the measurement)."""
+    out = cfg.trainer.output_dir
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
+           "periodic_async", "train", "--config", str(HERE / "scaling.yaml"), *overrides]
+
+    def once() -> dict:
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        r = load_run(out, name=name, trainer_ranks=ranks)
+        measured[name].append(r)
+        return _metrics(json.loads((Path(out) / "summary.json").read_text()), r)
+    return System(name, once, {**asdict(cfg), "torchrun": {"nproc_per_node": ranks}})
+
+
 def measure_cpu(args, extra: list[str]) -> tuple[list[dict], dict[str, list[MeasuredRun]]]:
     base = load_config(RunConfig, HERE / "scaling.yaml", args.overrides)
     if not Path(base.model.name_or_path).is_dir():
@@ -71,29 +98,31 @@ def measure_cpu(args, extra: list[str]) -> tuple[list[dict], dict[str, list[Meas
             summary = run(cfg, engine=engines.get(cfg))
             r = load_run(out, name=name)
             measured[name].append(r)
-            its = r.iterations
-            return {**summary, "iteration_s": statistics.fmean(i.metrics["time/iteration_s"] for i in its),
-                    "generate_s": statistics.fmean(i.metrics["time/generate_s"] for i in its),
-                    "train_s": statistics.fmean(i.metrics["time/train_s"] for i in its),
-                    "sync_s": statistics.fmean(i.metrics["time/sync_s"] for i in its)}
+            return _metrics(summary, r)
         systems.append(System(name, once, cfg))
+    for ranks in (1, 2) if args.trainer_ranks else ():
+        name = f"sync-separated/r{ranks}"
+        over = args.overrides + extra + ["pipeline.mode=sync-separated", f"trainer.output_dir={args.runs}/r{ranks}"]
+        measured[name] = []
+        systems.append(torchrun_system(name, ranks, over, measured, load_config(RunConfig, HERE / "scaling.yaml", over)))
     try:
         res = measure(systems, repeats=args.repeats, ignore_settings=("trainer.output_dir",))
     finally:
         engines.close()
     rows = []
     for name, r in res.items():
-        cfg = r.settings
-        one = res.get(name.split("/")[0] + "/e1")
+        cfg = settings_dict(r.settings)
+        ranks = cfg.get("torchrun", {}).get("nproc_per_node", 1)
+        one = res.get(name.split("/")[0] + ("/r1" if "/r" in name else "/e1"))
         ratio = r.ratio(one) if one is not None and one is not r else None
-        rows.append({"system": name, "mode": cfg.pipeline.mode, "engine_workers": cfg.engine.num_workers,
-                     "trainer_ranks": 1, "trainer_threads": cfg.trainer.threads, "devices": r.runs[0]["devices"],
+        rows.append({"system": name, "mode": cfg["pipeline"]["mode"], "engine_workers": cfg["engine"]["num_workers"],
+                     "trainer_ranks": ranks, "trainer_threads": cfg["trainer"]["threads"], "devices": r.runs[0]["devices"],
                      **r.row(["tokens_per_s"], 1), **{k: v for k, v in r.row(["iteration_s"], 3).items() if k != "repeats"},
                      "generate_s": round(r.stats("generate_s").median, 3), "train_s": round(r.stats("train_s").median, 3),
                      "sync_s": round(r.stats("sync_s").median, 4),
-                     "speedup_vs_1_engine": round(ratio.median, 3) if ratio else "",
-                     "speedup_vs_1_engine_min": round(ratio.min, 3) if ratio else "",
-                     "speedup_vs_1_engine_max": round(ratio.max, 3) if ratio else "",
+                     "speedup_vs_1": round(ratio.median, 3) if ratio else "",
+                     "speedup_vs_1_min": round(ratio.min, 3) if ratio else "",
+                     "speedup_vs_1_max": round(ratio.max, 3) if ratio else "",
                      "measured_iterations_per_run": len(measured[name][0].iterations), "cpu_cores": os.cpu_count(),
                      **r.provenance()})
     return rows, measured
@@ -158,6 +187,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", default="runs/scaling")
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("--device-types", default="H100-SXM-80GB,Ascend-910B")
+    ap.add_argument("--trainer-ranks", action="store_true",
+                    help="also measure sync-separated with 1 and 2 torchrun trainer ranks (distributed.py)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 2)
@@ -172,7 +203,7 @@ def main(argv=None) -> None:
     plot_scaling(out / "scaling_measured.csv", out / "scaling_simulated.csv", Path(args.figures) / "scaling.png")
     for r in measured_rows:
         print({k: r[k] for k in ("system", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "iteration_s",
-                                 "speedup_vs_1_engine", "speedup_vs_1_engine_min", "speedup_vs_1_engine_max")})
+                                 "speedup_vs_1", "speedup_vs_1_min", "speedup_vs_1_max")})
     for r in sim_rows:
         if r["section"] == "cpu-measured-point" or r["best"]:
             print({k: r[k] for k in ("section", "device_type", "system", "mode", "devices", "inference_devices",
