@@ -114,6 +114,7 @@ def remove_all(out_dir: Path) -> None:
         shutil.rmtree(link)
     for p in out_dir.glob("checkpoint-*"):
         shutil.rmtree(p, ignore_errors=True)
+    (out_dir / f"{LATEST}.link-tmp").unlink(missing_ok=True)
 
 
 def save(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunConfig) -> Path:
