@@ -74,7 +74,18 @@ def init_ray(engine_cfg) -> bool:
         ray.init(address=engine_cfg.ray_address, **common)
     else:
         need = engine_cfg.num_workers * engine_cfg.threads_per_worker
-        ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, **common)
+        # A local cluster listens on the loopback interface only (no dashboard): nothing on
+        # this machine's network can reach its object store or submit work to it. Ray turns a
+        # loopback node address into the machine's own unless its multi-node mode is off (as
+        # on macOS), so it is off while the node starts.
+        from ray._private import ray_constants
+
+        multi_node, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+        try:
+            ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+                     _node_ip_address="127.0.0.1", **common)
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = multi_node
     if callable(sigterm):
         signal.signal(signal.SIGTERM, sigterm)
     return True
