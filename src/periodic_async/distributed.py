@@ -109,7 +109,7 @@ class Ranks:
                 dist.broadcast(t.data, src=0)
         if self.parallel == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import FSDPModule, fully_shard
 
             mesh = init_device_mesh(self.device_type, (self.world_size,))
             for module in model.modules():
@@ -118,7 +118,9 @@ class Ranks:
             # The root too reshards after its forward (FSDP2 would keep a root's weights gathered
             # until a backward that old and ref never run): every model stays sharded between steps.
             fully_shard(model, mesh=mesh, reshard_after_forward=True)
-            model.set_gradient_divide_factor(1.0)  # sums: the normaliser is applied once, later
+            for module in model.modules():  # sums, not means (the factor is per FSDP module):
+                if isinstance(module, FSDPModule):  # the normaliser is applied once, later
+                    module.set_gradient_divide_factor(1.0)
         return model
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

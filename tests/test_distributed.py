@@ -1,0 +1,218 @@
+"""Trainer ranks (distributed.py) on real gloo process groups, checked against one process:
+uneven (and empty) shares of an iteration's groups give the single-process update (fp64), FSDP2
+lays policy / old / ref out alike so that refreshing old needs no communication, and a
+torchrun run of `python -m periodic_async train` follows the single-process run."""
+
+import datetime
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from periodic_async import grpo
+from periodic_async.config import RunConfig, load_config
+from periodic_async.consumer import Consumer
+from periodic_async.group import Group
+from periodic_async.model import build_model
+from periodic_async.tokenizer import load_tokenizer
+
+B, G = 4, 3
+PLAN = [  # which groups each rank trains, in its order, per iteration
+    {0: [2, 0, 1], 1: [3]},  # uneven
+    {0: [], 1: [3, 1, 0, 2]},  # rank 0 gets none
+]
+
+
+def _cfg(tokenizer_dir, parallel: str = "ddp", **extra) -> RunConfig:
+    overrides = {"model.name_or_path": "qwen2-micro", "model.tokenizer": str(tokenizer_dir), "model.device": "cpu",
+                 "model.dtype": "float64", "model.seed": 3, "algorithm.group_size": G,
+                 "algorithm.prompts_per_iteration": B, "algorithm.lr": 3e-3, "algorithm.beta": 0.05,
+                 "algorithm.skip_old_forward": False, "algorithm.micro_batch_tokens": 40,
+                 "algorithm.attention_backend": "split", "trainer.iterations": len(PLAN),
+                 "trainer.parallel": parallel, "engine.timeout_s": 30}
+    overrides.update(extra)
+    return load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def _groups(vocab: int, iteration: int) -> list[Group]:
+    """B groups of G random responses of different lengths, distinct rewards, sampled by `iteration`."""
+    rng = random.Random(100 + iteration)
+    out = []
+    for b in range(B):
+        responses = [[rng.randrange(4, vocab) for _ in range(rng.randint(3, 9))] for _ in range(G)]
+        rewards = [rng.random() for _ in range(G)]
+        out.append(Group(b, iteration, iteration, [rng.randrange(4, vocab) for _ in range(rng.randint(4, 8))],
+                         responses, [[-1.0] * len(r) for r in responses], rewards,
+                         grpo.group_advantages(rewards).tolist()))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join_ranks(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    # a short timeout: a collective that one rank never joins fails the test instead of hanging it
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+
+
+def _spawn(fn, args: tuple, world: int = 2, timeout_s: float = 600.0) -> None:
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.time() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if time.time() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"ranks did not finish within {timeout_s} s (a deadlock?)")
+
+
+def _train_ranks(rank: int, world: int, port: int, tokenizer_dir: str, parallel: str, out: str) -> None:
+    from periodic_async.distributed import init_ranks
+
+    _join_ranks(rank, world, port)
+    cfg = _cfg(tokenizer_dir, parallel)
+    ranks = init_ranks(cfg)
+    policy = build_model(cfg.model, load_tokenizer(tokenizer_dir))
+    consumer = Consumer(policy, cfg, ranks=ranks)
+    ranks.start(consumer, 0)
+    metrics = []
+    for iteration, plan in enumerate(PLAN):
+        groups = _groups(policy.config.vocab_size, iteration)
+        metrics.append(consumer.train_iteration([groups[i] for i in plan[rank]], iteration, iteration))
+    state = {k: v.clone() for k, v in ranks.full_state_dict(policy).items()}
+    torch.save({"state": state, "metrics": metrics, "version": consumer.version}, Path(out) / f"rank{rank}.pt")
+    ranks.close()
+
+
+def _single_process(tokenizer_dir) -> tuple[dict, list[dict]]:
+    cfg = _cfg(tokenizer_dir)
+    policy = build_model(cfg.model, load_tokenizer(tokenizer_dir))
+    consumer = Consumer(policy, cfg)
+    metrics = [consumer.train_iteration(_groups(policy.config.vocab_size, it), it, it) for it in range(len(PLAN))]
+    return policy.state_dict(), metrics
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_data_parallel_matches_single_process(tokenizer_dir, tmp_path, parallel):
+    """2 gloo ranks, 2 iterations: ranks take 3 + 1 groups, then 0 + 4 (rank 0 none), each rank
+    in its own order; after each iteration's one reduction the weights equal the single-process
+    run's on the same groups (fp64, <= 1e-10), and so do the iteration's token count and loss."""
+    _spawn(_train_ranks, (2, _free_port(), str(tokenizer_dir), parallel, str(tmp_path)))
+    single, single_metrics = _single_process(tokenizer_dir)
+    start = build_model(_cfg(tokenizer_dir).model, load_tokenizer(tokenizer_dir)).state_dict()
+    assert max((single[k] - start[k]).abs().max().item() for k in single) > 1e-3, "training must move the weights"
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert got["version"] == len(PLAN)
+        assert max((got["state"][k] - single[k]).abs().max().item() for k in single) <= 1e-10
+        for m, ref in zip(got["metrics"], single_metrics):
+            assert m["tokens"] == ref["tokens"] and m["sequences"] == ref["sequences"]
+            assert m["loss"] == pytest.approx(ref["loss"], abs=1e-12)
+            assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-10)
+
+
+def _fsdp_layout(rank: int, world: int, port: int, tokenizer_dir: str, out: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from periodic_async.distributed import init_ranks
+
+    _join_ranks(rank, world, port)
+    cfg = _cfg(tokenizer_dir, "fsdp")
+    ranks = init_ranks(cfg)
+    policy = build_model(cfg.model, load_tokenizer(tokenizer_dir))
+    consumer = Consumer(policy, cfg, ranks=ranks)
+    tri = consumer.tri
+    layout = {}
+    for (name, p), (_, o), (_, r) in zip(policy.named_parameters(), tri.old.named_parameters(),
+                                         tri.ref.named_parameters()):
+        assert all(isinstance(t, DTensor) for t in (p, o, r)), name
+        layout[name] = [(tuple(t.placements), tuple(t.to_local().shape), tuple(t.shape)) for t in (p, o, r)]
+    groups = _groups(policy.config.vocab_size, 0)
+    consumer.train_iteration([groups[i] for i in PLAN[0][rank]], 0, 0)  # refreshes old on every rank
+    moved = [(p.to_local() - r.to_local()).abs().max().item()
+             for p, r in zip(policy.parameters(), tri.ref.parameters())]
+    # Each rank refreshes old ALONE while the other waits on the store, in no collective: a
+    # refresh that communicated would hang here (and fail on the 30 s timeout).
+    with torch.no_grad():
+        for o in tri.old.parameters():
+            o.to_local().zero_()
+    store = ranks.store
+    if rank == 1:
+        store.wait(["refreshed0"], datetime.timedelta(seconds=300))
+    tri.refresh_old()
+    store.set(f"refreshed{rank}", "1")
+    equal = all(torch.equal(o.to_local(), p.to_local()) for o, p in zip(tri.old.parameters(), policy.parameters()))
+    torch.save({"layout": layout, "moved": max(moved), "equal": equal}, Path(out) / f"rank{rank}.pt")
+    store.wait(["refreshed1"], datetime.timedelta(seconds=300))
+    ranks.close()
+
+
+def test_fsdp_tri_model_layout(tokenizer_dir, tmp_path):
+    """FSDP2: every parameter of old and ref has the policy's placements and local shard shape
+    (sharded: each rank holds part of it), and refresh_old, run by one rank at a time with the
+    other outside any collective, copies the policy's local shards into old exactly."""
+    _spawn(_fsdp_layout, (2, _free_port(), str(tokenizer_dir), str(tmp_path)))
+    shards = []
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert got["equal"], f"rank {rank}: old != policy after refresh_old"
+        assert got["moved"] > 1e-4, "the policy must have left the reference (else the copy proves nothing)"
+        for name, (policy, old, ref) in got["layout"].items():
+            assert policy == old == ref, name
+            assert "Shard(dim=0)" in str(policy[0]), name
+        shards.append({n: v[0][1] for n, v in got["layout"].items()})
+    assert any(shards[0][n][0] < got["layout"][n][0][2][0] for n in shards[0]), "nothing is sharded"
+
+
+def _cli_overrides(tokenizer_dir, out: Path) -> list[str]:
+    here = Path(__file__).resolve().parent
+    return [f"model.tokenizer={tokenizer_dir}", "model.name_or_path=qwen2-micro", "model.dtype=float64",
+            "model.device=cpu", "model.seed=3", "data.num_train=64", "data.num_eval=0", "data.seed=5",
+            f"reward.functions={here / 'test_pipeline.py'}:diversity_reward", "engine.backend=local",
+            "engine.max_num_seqs=6", "engine.max_tokens=12", "engine.stop=e", "algorithm.group_size=3",
+            "algorithm.prompts_per_iteration=6", "algorithm.lr=3e-3", "algorithm.micro_batch_tokens=120",
+            "algorithm.beta=0.05", "trainer.iterations=2", f"trainer.output_dir={out}", "trainer.eval_at_end=false",
+            "pipeline.mode=periodic-async", "logging.wandb_mode=disabled", "logging.progress=false"]
+
+
+@pytest.mark.slow
+def test_torchrun_train_matches_single_process(tokenizer_dir, tmp_path):
+    """`torchrun --nproc-per-node=2 -m periodic_async train`: rank 0 runs the producer (in-process
+    engine) and hands groups out through the rendezvous store, both ranks train; the sampled
+    tokens and the final weights (fp64, <= 1e-10) are those of the single-process run."""
+    from transformers import AutoModelForCausalLM
+
+    from periodic_async.pipeline import run
+    from periodic_async.trace import read_jsonl
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port", str(_free_port()),
+           "-m", "periodic_async", "train", *_cli_overrides(tokenizer_dir, tmp_path / "ranks")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    taken = re.search(r'"groups_trained": \[([\d,\s]*)\]', done.stdout)  # rank 1's summary
+    assert taken and sum(int(x) for x in taken.group(1).split(",")) > 0, "rank 1 must have trained groups"
+    cfg = load_config(RunConfig, None, _cli_overrides(tokenizer_dir, tmp_path / "one"))
+    run(cfg)
+    rows = {d: read_jsonl(tmp_path / d / "rollouts.jsonl") for d in ("ranks", "one")}
+    key = lambda r: (r["iteration"], r["prompt_index"], r["version"])  # noqa: E731
+    assert {key(r): r["response_ids"] for r in rows["ranks"]} == {key(r): r["response_ids"] for r in rows["one"]}
+    assert len(rows["ranks"]) == 2 * 6
+    weights = {d: AutoModelForCausalLM.from_pretrained(tmp_path / d / "checkpoint", dtype=torch.float64).state_dict()
+               for d in ("ranks", "one")}
+    start = build_model(cfg.model, load_tokenizer(tokenizer_dir)).state_dict()
+    assert max((weights["one"][k] - start[k]).abs().max().item() for k in start) > 1e-3
+    assert max((weights["ranks"][k] - weights["one"][k]).abs().max().item() for k in start) <= 1e-10
