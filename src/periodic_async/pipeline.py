@@ -237,7 +237,7 @@ class _Books:
         m = _iteration_metrics(groups, t_start, t_end, train, sync_s, self.cfg)
         m.update(self._new_evals())
         m.update(self.producer.engine.stats())  # e.g. engine/workers, engine/worker_restarts (ray)
-        m["pipeline/queue_depth"] = self.producer.queue.qsize()  # groups waiting for the trainer now
+        m["pipeline/queue_depth_max"] = self.producer.queue_depth_max  # most groups waiting for the trainer
         if self.cfg.logging.rollouts:
             _write_rollouts(self.out / "rollouts.jsonl", groups)
         self.logger.log(m, step=completed)

@@ -74,6 +74,7 @@ class Producer:
         self.generation_done = threading.Event()
         self.shots, self.reward_fn, self.cfg = list(shots), reward_fn, cfg
         self.tracer = tracer or Tracer(enabled=False)
+        self.queue_depth_max = 0
         self.queue: queue.Queue = queue.Queue(maxsize=cfg.pipeline.queue_size or cfg.algorithm.prompts_per_iteration + 1)
         self._thread: threading.Thread | None = None
         self._prompt_ids: dict[int, list[int]] = {}
@@ -98,7 +99,9 @@ class Producer:
         self._thread.start()
 
     def stream(self, poll_s: float = 1.0) -> Iterator[Group]:
-        """Groups of the current iteration in completion order; re-raises producer errors."""
+        """Groups of the current iteration in completion order; re-raises producer errors.
+        `queue_depth_max` is then the most groups found waiting for the trainer during the stream."""
+        self.queue_depth_max = 0
         while True:
             try:
                 item = self.queue.get(timeout=poll_s)
@@ -106,6 +109,7 @@ class Producer:
                 if self._thread is None or not self._thread.is_alive():
                     raise RuntimeError("producer thread ended without finishing the iteration") from None
                 continue
+            self.queue_depth_max = max(self.queue_depth_max, self.queue.qsize() + 1)
             if isinstance(item, _Done):
                 return
             if isinstance(item, _Failed):
