@@ -77,7 +77,10 @@ class Ranks:
     parallel: str = "ddp"
     """'ddp' or 'fsdp' (trainer.parallel)."""
     store: object | None = None
-    """The rendezvous store (a `torch.distributed.Store`) the groups travel through."""
+    """A connection to the rendezvous store (a `torch.distributed.Store`) the groups travel through."""
+    publish_store: object | None = None
+    """Rank 0: a second connection, for the hand-out thread (a store connection serves one
+    blocking call at a time: a claim waiting on it would hold back the publishing)."""
     device_type: str = "cpu"
     timeout_s: float = 600.0
     """How long a rank waits for a claimed group (engine.timeout_s plus a margin)."""
@@ -228,10 +231,17 @@ def init_ranks(cfg) -> Ranks:
         torch.npu.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=cfg.engine.timeout_s + 300))
-    store = dist.PrefixStore("periodic_async/", dist.distributed_c10d._get_default_store())
-    return Ranks(rank=dist.get_rank(), world_size=dist.get_world_size(), parallel=cfg.trainer.parallel,
-                 store=store, device_type=device.type, timeout_s=cfg.engine.timeout_s + 60,
-                 groups_per_iteration=cfg.algorithm.prompts_per_iteration)
+    rank = dist.get_rank()
+    return Ranks(rank=rank, world_size=dist.get_world_size(), parallel=cfg.trainer.parallel,
+                 store=_connect(), publish_store=_connect() if rank == 0 else None, device_type=device.type,
+                 timeout_s=cfg.engine.timeout_s + 60, groups_per_iteration=cfg.algorithm.prompts_per_iteration)
+
+
+def _connect():
+    """A new client connection to the rendezvous store torchrun runs (MASTER_ADDR:MASTER_PORT)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, is_master=False,
+                          timeout=datetime.timedelta(seconds=300), wait_for_workers=False)
+    return dist.PrefixStore("periodic_async/", store)
 
 
 def _all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
@@ -318,10 +328,10 @@ class _HandOut(_Claims):
         self._thread.start()
 
     def _publish(self) -> None:
-        k = 0
+        k, store = 0, self.ranks.publish_store
         try:
             for group in self.source:
-                self.store.set(self.prefix + str(k), pickle.dumps(group))
+                store.set(self.prefix + str(k), pickle.dumps(group))
                 k += 1
             if k < self.ranks.groups_per_iteration:
                 raise RuntimeError(f"iteration {self.iteration}: the producer gave {k} groups, "
@@ -329,7 +339,7 @@ class _HandOut(_Claims):
         except BaseException as e:  # noqa: BLE001 - the other ranks must not wait forever
             self._error = e
             for j in range(k, self.ranks.groups_per_iteration):
-                self.store.set(self.prefix + str(j), pickle.dumps(_Failed(f"{type(e).__name__}: {e}")))
+                store.set(self.prefix + str(j), pickle.dumps(_Failed(f"{type(e).__name__}: {e}")))
 
     def _failed(self, k: int, item: _Failed) -> None:
         self._thread.join()
