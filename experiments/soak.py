@@ -14,9 +14,10 @@ iteration, one restart is counted, and the resumed leg starts where leg 1 stoppe
 
 A sampler thread in each leg follows metrics.jsonl as it is written and, every `every`
 iterations, records the resident memory (RSS, /proc/<pid>/status) and open file descriptors
-(/proc/<pid>/fd) of the trainer process and of each engine worker process, the producer queue's
-depth (pipeline/queue_depth), the engine's restarts and the size of the streamed trace.jsonl:
-<results>/soak.csv, one row per process per sample.
+(/proc/<pid>/fd) of the trainer process and of each engine worker process, the most groups
+found waiting on the producer queue in the iteration (pipeline/queue_depth_max), the engine's
+restarts and the size of the streamed trace.jsonl: <results>/soak.csv, one row per process
+per sample.
 
 Summary (<results>/soak_summary.csv, printed): per process (each leg's trainer, each worker
 process), the least-squares slope of RSS against iteration, in MiB per 100 iterations, fitted
@@ -38,7 +39,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-COLUMNS = ["leg", "iteration", "time_s", "process", "pid", "rss_mib", "fds", "queue_depth", "worker_restarts",
+COLUMNS = ["leg", "iteration", "time_s", "process", "pid", "rss_mib", "fds", "queue_depth_max", "worker_restarts",
            "trace_mib", "event"]
 SUMMARY = ["process", "leg", "pid", "first_iteration", "last_iteration", "samples_fitted", "rss_first_mib",
            "rss_last_mib", "rss_slope_mib_per_100_iterations"]
@@ -90,7 +91,8 @@ class Sampler(threading.Thread):
     def sample(self, iteration: int, m: dict, event: str = "") -> None:
         trace = self.run_dir / "trace.jsonl"
         common = dict(leg=self.leg, iteration=iteration, time_s=round(time.time() - self.t0, 2),
-                      queue_depth=m.get("pipeline/queue_depth", ""), worker_restarts=m.get("engine/worker_restarts", ""),
+                      queue_depth_max=m.get("pipeline/queue_depth_max", ""),
+                      worker_restarts=m.get("engine/worker_restarts", ""),
                       trace_mib=round(trace.stat().st_size / 2**20, 3) if trace.exists() else 0.0, event=event)
         procs = [("trainer", os.getpid())] + [(f"worker{w}", pid) for w, pid in enumerate(list(self.engine.pids))]
         with self.csv_path.open("a", newline="") as f:
@@ -100,7 +102,7 @@ class Sampler(threading.Thread):
                                  "fds": open_fds(pid)})
 
     def run(self) -> None:
-        while not self.stop.wait(0.25):
+        while not self.stop.wait(0.05):  # a line is logged as the next iteration starts generating: kill then
             for m in self._new_metrics():
                 iteration = m["step"]  # iterations completed
                 event = ""
@@ -201,42 +203,44 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--leg", str(leg), "--csv", str(csv_path), "--t0", str(t0),
                "--iterations", str(args.iterations), "--stop-at", str(args.stop_at), "--kill-at", str(args.kill_at),
                "--every", str(args.every), "--runs", args.runs, *overrides]
-        print(f"[soak] leg {leg}: {'iterations 0..' + str(args.stop_at) if leg == 1 else 'resume to ' + str(args.iterations)}",
-              flush=True)
+        what = f"iterations 0..{args.stop_at}" if leg == 1 else f"resume to {args.iterations}"
+        print(f"[soak] leg {leg}: {what}", flush=True)
         subprocess.run(cmd, check=True)
-    wall = time.time() - t0
+    report(args, csv_path, results / "soak_summary.csv", time.time() - t0)
 
+
+def report(args, csv_path: Path, summary_path: Path, wall: float) -> None:
+    """Check the run went through (every iteration logged once, one restart of the killed worker),
+    then write and print the summary."""
     from periodic_async.trace import read_jsonl
 
-    metrics = read_jsonl(Path(args.runs) / "metrics.jsonl")
-    steps = [m["step"] for m in metrics]
-    legs = [json.loads((Path(args.runs) / f"soak_leg{leg}.json").read_text()) for leg in (1, 2)]
-    restarts = legs[1]["restarts"]
+    steps = [m["step"] for m in read_jsonl(Path(args.runs) / "metrics.jsonl")]
+    leg2 = json.loads((Path(args.runs) / "soak_leg2.json").read_text())
+    restarts = leg2["restarts"]
     if steps != list(range(1, args.iterations + 1)):
         raise SystemExit(f"soak: iterations logged {steps[:3]}..{steps[-3:]}, expected 1..{args.iterations}")
-    if len(restarts) != 1 or restarts[0]["old_pid"] != legs[1]["killed_pid"]:
+    if len(restarts) != 1 or restarts[0]["old_pid"] != leg2["killed_pid"]:
         raise SystemExit(f"soak: expected one restart of the killed worker, got {restarts}")
-
+    r = restarts[0]
     summary = summarize(csv_path, args.warmup)
-    with (results / "soak_summary.csv").open("w", newline="") as f:
+    with summary_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SUMMARY + ["iterations", "wall_s", "restarted", "requests_resent"])
         writer.writeheader()
         for row in summary:
+            new = row["pid"] == r["new_pid"]
             writer.writerow({**row, "iterations": args.iterations, "wall_s": round(wall),
-                             "restarted": "yes" if row["pid"] == restarts[0]["new_pid"] else
-                             ("killed" if row["pid"] == restarts[0]["old_pid"] else ""),
-                             "requests_resent": len(restarts[0]["resent"]) if row["pid"] == restarts[0]["new_pid"] else ""})
-    r = restarts[0]
+                             "restarted": "yes" if new else ("killed" if row["pid"] == r["old_pid"] else ""),
+                             "requests_resent": len(r["resent"]) if new else ""})
     print(f"[soak] {args.iterations} iterations in {wall:.0f} s; resumed at {args.stop_at}; worker {r['worker']} "
           f"(pid {r['old_pid']}) SIGKILLed, restarted as pid {r['new_pid']} at version {r['version']}, "
           f"{len(r['resent'])} requests re-sent")
     print(f"{'process':10s} {'leg':>3s} {'pid':>7s} {'iterations':>11s} {'RSS first':>10s} {'last':>8s} "
           f"{'MiB/100 it':>10s}")
     for row in summary:
-        print(f"{row['process']:10s} {row['leg']:>3d} {row['pid']:>7d} {row['first_iteration']:>5d}-{row['last_iteration']:<5d} "
-              f"{row['rss_first_mib']:>10.1f} {row['rss_last_mib']:>8.1f} {str(row['rss_slope_mib_per_100_iterations']):>10s}")
-    print(f"wrote {csv_path} and {results / 'soak_summary.csv'}")
-
+        span = f"{row['first_iteration']:>5d}-{row['last_iteration']:<5d}"
+        print(f"{row['process']:10s} {row['leg']:>3d} {row['pid']:>7d} {span} {row['rss_first_mib']:>10.1f} "
+              f"{row['rss_last_mib']:>8.1f} {str(row['rss_slope_mib_per_100_iterations']):>10s}")
+    print(f"wrote {csv_path} and {summary_path}")
 
 if __name__ == "__main__":
     main()
