@@ -7,7 +7,8 @@
 base.py     the contract (Request, SamplingParams, Sample, RequestOutput, Engine, WeightSync)
 batcher.py  the continuous-batching scheduler and slot KV cache every built-in engine runs
 local.py    in-process engine (co-located baseline, tests)
-ray_engine.py  one Ray actor per worker, streamed results, object-store weight sync
+ray_engine.py  one Ray actor per worker, streamed results, object-store weight sync, dead workers
+               restarted (engine.restart_workers), workers added/removed between iterations
 collective.py  weight sync by broadcast in a process group of trainer and workers (engine.weight_sync)
 vllm_engine.py vLLM adapter (GPU only; not exercised on CPU CI)
 """
