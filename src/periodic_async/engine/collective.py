@@ -3,8 +3,10 @@ workers join one process group, and the barrier broadcasts the weights as flat b
 
 The group: the trainer (the main trainer rank) is rank 0, worker w is rank w + 1. It is joined
 once, when the engine starts (`CollectiveSync.attach`, called by `RayEngine`), through a
-TCPStore the trainer hosts on a free port of its node (`ray.util.get_node_ip_address()`, so
-workers on other nodes reach it). Backend from the trainer's device (`distributed.backend_for`):
+TCPStore the trainer hosts on a free port: reached at 127.0.0.1 with a local Ray cluster (gloo
+then connects over the loopback), at the trainer node's address (`ray.util.get_node_ip_address()`)
+when `engine.ray_address` names a cluster. (torch's TCPStore server itself listens on every
+interface; it holds only the group's rendezvous keys.) Backend from the trainer's device (`distributed.backend_for`):
 gloo on CPU, nccl on CUDA, hccl on NPU; the workers' buffers live where that backend needs
 them (host memory for gloo, the worker's accelerator for nccl/hccl).
 
@@ -40,13 +42,17 @@ ALIGN = 64
 """Byte alignment of every tensor inside a bucket (a view of any dtype starts aligned)."""
 
 
-def _process_group(store, rank: int, world_size: int, backend: str, timeout_s: float):
+def _process_group(store, rank: int, world_size: int, backend: str, timeout_s: float, host: str):
     """A process group outside the default one (the trainer ranks' group is another): the
-    backend object itself, built on `store`. Blocks until all `world_size` members have joined."""
+    backend object itself, built on `store`. Blocks until all `world_size` members have joined.
+    gloo's connections use the interface of `host` (the loopback for a local Ray cluster)."""
     prefix = dist.PrefixStore("weight_sync/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        return dist.ProcessGroupGloo(prefix, rank, world_size, options)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -113,7 +119,7 @@ class CollectiveReceiver(WeightSync):
     def join(self, device: torch.device) -> None:
         store = dist.TCPStore(self.host, self.port, None, is_master=False,
                               timeout=datetime.timedelta(seconds=self.timeout_s))
-        self._group = _process_group(store, self.rank, self.world_size, self.backend, self.timeout_s)
+        self._group = _process_group(store, self.rank, self.world_size, self.backend, self.timeout_s, self.host)
         self._store, self._device = store, _buffer_device(self.backend, torch.device(device))
         self._key, self._buffers = None, []
 
@@ -137,8 +143,11 @@ class CollectiveReceiver(WeightSync):
 class CollectiveSync(WeightSync):
     """The trainer's side: hosts the store, joins as rank 0, broadcasts at every barrier."""
 
-    def __init__(self, backend: str, device: torch.device | str, bucket_bytes: int, timeout_s: float) -> None:
+    def __init__(self, backend: str, device: torch.device | str, bucket_bytes: int, timeout_s: float,
+                 host: str | None = None) -> None:
         self.backend, self.bucket_bytes, self.timeout_s = backend, int(bucket_bytes), timeout_s
+        self.host = host
+        """Where the workers reach the trainer: None = this Ray node's address (a cluster)."""
         self.device = _buffer_device(backend, torch.device(device))
         self._group = None
         self._works: list = []
@@ -152,20 +161,21 @@ class CollectiveSync(WeightSync):
         from periodic_async.model import resolve_device
 
         device = resolve_device(model_cfg.device)
-        return cls(backend_for(device), device, engine_cfg.weight_sync_bucket_mb * 2**20, engine_cfg.timeout_s)
+        host = None if engine_cfg.ray_address else "127.0.0.1"  # a local Ray cluster stays on the loopback
+        return cls(backend_for(device), device, engine_cfg.weight_sync_bucket_mb * 2**20, engine_cfg.timeout_s, host)
 
     def attach(self, workers: list) -> None:
         """Form the group with the started `workers` (Ray actor handles of `EngineWorker`)."""
         import ray
 
-        host = ray.util.get_node_ip_address()
+        host = self.host or ray.util.get_node_ip_address()
         self._store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.timeout_s))
         world = len(workers) + 1
         joined = [w.set_weight_sync.remote(CollectiveReceiver(host, self._store.port, i + 1, world, self.backend,
                                                               self.timeout_s))
                   for i, w in enumerate(workers)]
-        self._group = _process_group(self._store, 0, world, self.backend, self.timeout_s)
+        self._group = _process_group(self._store, 0, world, self.backend, self.timeout_s, host)
         ray.get(joined, timeout=self.timeout_s)
 
     def publish(self, state_dict: dict[str, torch.Tensor], version: int):
