@@ -29,7 +29,8 @@ def _cfg(tmp: Path, tokenizer_dir, mode: str, **extra) -> RunConfig:
     overrides = {
         "model.tokenizer": str(tokenizer_dir), "model.dtype": "float64", "model.seed": 3,
         "data.num_train": 64, "data.num_eval": 0, "data.seed": 5,
-        "reward.functions": f"{HERE}:diversity_reward", "engine.backend": "ray", "engine.num_workers": 2,
+        "reward.functions": f"{HERE}:diversity_reward", "reward.timeout_s": 0,  # in-process: no worker start-up
+        "engine.backend": "ray", "engine.num_workers": 2,
         "engine.max_num_seqs": 6, "engine.max_tokens": 12, "engine.stop": "e",
         "algorithm.group_size": 3, "algorithm.prompts_per_iteration": 6, "algorithm.lr": 3e-3,
         "algorithm.micro_batch_tokens": 120, "algorithm.beta": 0.05,
