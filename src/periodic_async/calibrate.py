@@ -133,11 +133,15 @@ def nnls(X: np.ndarray, y: np.ndarray, parsimony: float = 0.05) -> np.ndarray:
             if np.all(sol >= 0):
                 theta = np.zeros(X.shape[1])
                 theta[list(cols)] = sol
-                fits.append((k, float(np.sum((X @ theta - y) ** 2)), theta))
+                fits.append((k, cols, float(np.sum((X @ theta - y) ** 2)), theta))
     if not fits:
         return np.zeros(X.shape[1])
-    best = min(err for _, err, _ in fits)
-    return min((f for f in fits if f[1] <= best * (1 + parsimony) + 1e-18), key=lambda f: (f[0], f[1]))[2]
+    best = min(err for _, _, err, _ in fits)
+    # Among fits as good as the best, the fewest columns, then the earliest ones: columns come
+    # in order of physical importance (the per-token cost before per-step constants), so when
+    # identical workloads cannot tell them apart the work stays per token, where the simulator
+    # can overlap it, instead of becoming one constant at the end of the iteration.
+    return min((f for f in fits if f[2] <= best * (1 + parsimony) + 1e-18), key=lambda f: (f[0], f[1]))[3]
 
 
 def engine_features(run: MeasuredRun, it: MeasuredIteration) -> np.ndarray:
