@@ -273,7 +273,7 @@ def _tree(pid: int) -> list:
     return [parent, *parent.children(recursive=True)]
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", ["local", "ray"])
 def test_sigterm_leaves_no_processes(backend, tokenizer_dir, tmp_path):
     """`python -m periodic_async train` gets SIGTERM after its first iteration: it exits 143
     within 60 s, leaves a complete checkpoint of the last completed iteration, and no process

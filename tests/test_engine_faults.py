@@ -16,8 +16,8 @@ back-ends sample the same tokens), so no extra Ray workers start for them. The k
 the producer thread, from the reward function, when the first group of iteration 1 arrives:
 the other requests of the iteration are then still generating.
 
-The three Ray tests take about a minute each on 2 cores (`bash run_tests.sh -m slow`); the
-fast suite keeps tests/test_engine.py::test_worker_crash_raises (SIGKILL reported within seconds).
+The three Ray tests take 30-60 s each on 2 cores (a Ray session and 2-3 worker starts); they
+are in the default suite because they are the fault guarantees a long run relies on.
 """
 
 from __future__ import annotations
@@ -123,7 +123,6 @@ def kill_worker(monkeypatch, tmp_path):
     return arm
 
 
-@pytest.mark.slow  # a Ray session and 2-3 worker starts: about a minute on 2 cores
 def test_worker_killed_mid_iteration(ray_session, tokenizer_dir, tmp_path, kill_worker):
     """Default (no restarts): SIGKILL of worker 1 while iteration 1 generates stops the run within
     seconds (timeout_s is 600: the death is reported, not waited out) with an EngineError naming
@@ -148,7 +147,6 @@ def test_worker_killed_mid_iteration(ray_session, tokenizer_dir, tmp_path, kill_
     assert _max_diff(_weights(tmp_path / "killed"), _weights(tmp_path / "reference")) <= 1e-10
 
 
-@pytest.mark.slow  # a Ray session and 2-3 worker starts: about a minute on 2 cores
 def test_worker_restarted_run_continues(ray_session, reference, tokenizer_dir, tmp_path, kill_worker):
     """engine.restart_workers=1: worker 1 is SIGKILLed in iteration 1, replaced by a new process
     loaded with version 1, and its unfinished requests are re-sent; the run completes with the
@@ -178,7 +176,6 @@ def test_worker_restarted_run_continues(ray_session, reference, tokenizer_dir, t
         assert metrics[-1]["engine/requests_resent"] == len(r["resent"])
 
 
-@pytest.mark.slow  # a Ray session and 2-3 worker starts: about a minute on 2 cores
 def test_engine_added_between_iterations(ray_session, reference, tokenizer_dir, tmp_path):
     """engine.num_workers_schedule={2: 3, 3: 1}: a third worker joins after iteration 1 (loaded
     with version 2 before any request) and serves part of iteration 2; iteration 3 runs on
