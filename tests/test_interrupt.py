@@ -46,9 +46,15 @@ def test_signal_inside_deferred_block_waits_for_its_end():
 def test_without_handlers_nothing_is_deferred():
     """Library use (no handlers installed): a SIGINT inside a deferred block is Python's own
     KeyboardInterrupt, raised at once."""
+    # Python's own handler, whatever this process inherited (a shell starts background jobs
+    # with SIGINT ignored, and Python then leaves it ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     steps = []
-    with pytest.raises(KeyboardInterrupt) as e:
-        with interrupt.deferred():
-            _signal_self(signal.SIGINT)
-            steps.append("not reached")
+    try:
+        with pytest.raises(KeyboardInterrupt) as e:
+            with interrupt.deferred():
+                _signal_self(signal.SIGINT)
+                steps.append("not reached")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert steps == [] and not isinstance(e.value, interrupt.Interrupted)
