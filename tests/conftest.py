@@ -50,3 +50,12 @@ def experiment_script():
         return module
 
     return load
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray session for one test module (shut down at its end)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()

@@ -39,14 +39,6 @@ def tokenizer(model_cfg):
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def ray_engine(ray_session, model_cfg):
     engine = make_engine(EngineConfig(backend="ray", num_workers=2, max_num_seqs=4, timeout_s=60), model_cfg)
     yield engine

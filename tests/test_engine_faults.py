@@ -93,14 +93,6 @@ def _workers_of(out: Path, iteration: int) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def reference(tokenizer_dir, tmp_path_factory):
     """The uninterrupted run (in-process engine): its output directory."""
     cfg = _cfg(tmp_path_factory.mktemp("reference"), tokenizer_dir)
