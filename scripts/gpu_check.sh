@@ -9,16 +9,26 @@
 # 3. nvidia-smi, torch/CUDA versions, the git commit.
 # Everything goes to RESULTS_DIR (logs, junit XML, the run's metrics.jsonl and summary.json);
 # the exit status is non-zero if any step failed. With no CUDA device it stops at once, with a
-# message saying so. Not run by the CPU CI (there is no GPU there): written, not yet executed.
+# message saying so. Not run by the CPU CI (there is no GPU there).
+#
+# Python: by default .venv (scripts/setup_env.sh; install your CUDA torch into it first). With
+# PYTHON=/path/to/python the script uses that interpreter as it is (an environment that already
+# has CUDA torch and the dependencies: a cluster image, a conda env), with src/ on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS_DIR="${1:?usage: bash scripts/gpu_check.sh RESULTS_DIR}"
 mkdir -p "$RESULTS_DIR"
 RESULTS_DIR="$(cd "$RESULTS_DIR" && pwd)"
-source scripts/setup_env.sh
-export HF_HUB_OFFLINE=1 WANDB_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+if [ -n "${PYTHON:-}" ]; then
+    PY="$PYTHON"
+    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+else
+    source scripts/setup_env.sh || exit 1
+    PY=python
+fi
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 
-if ! python - <<'PY' > "$RESULTS_DIR/environment.txt" 2>&1
+if ! "$PY" - <<'PY' > "$RESULTS_DIR/environment.txt" 2>&1
 import sys, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda)
 if not torch.cuda.is_available():
@@ -32,7 +42,7 @@ then
 fi
 git rev-parse HEAD >> "$RESULTS_DIR/environment.txt" 2>/dev/null
 command -v nvidia-smi >/dev/null && nvidia-smi > "$RESULTS_DIR/nvidia-smi.txt" 2>&1
-python -c "import vllm; print('vllm', vllm.__version__)" >> "$RESULTS_DIR/environment.txt" 2>&1 || \
+"$PY" -c "import vllm; print('vllm', vllm.__version__)" >> "$RESULTS_DIR/environment.txt" 2>&1 || \
     echo "vllm not installed: its test skips" >> "$RESULTS_DIR/environment.txt"
 
 failed=()
@@ -50,17 +60,17 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to RESULTS_
     fi
 }
 
-py=(python -m pytest -q -rs -p no:cacheprovider)
+py=("$PY" -m pytest -q -rs -p no:cacheprovider)
 step tests-gpu-marked 120 "${py[@]}" -m gpu tests --junitxml "$RESULTS_DIR/tests-gpu-marked.xml"
 step tests-cuda-paths 150 "${py[@]}" -m "not slow" tests/test_engine.py tests/test_shared_prompt.py \
     -k "cuda or vllm or flex" --junitxml "$RESULTS_DIR/tests-cuda-paths.xml"
 step tests-collective 120 "${py[@]}" -m "not slow" tests -k "collective or nccl" \
     --junitxml "$RESULTS_DIR/tests-collective.xml"
-step run-periodic-async 150 python -m periodic_async train --config experiments/async_speedup.yaml \
-    model.name_or_path=qwen2-1m model.device=cuda pipeline.mode=periodic-async trainer.iterations=3 \
+step run-periodic-async 150 "$PY" -m periodic_async train --config experiments/async_speedup.yaml \
+    model.name_or_path=qwen2-1m model.device=cuda model.dtype=bfloat16 pipeline.mode=periodic-async trainer.iterations=3 \
     algorithm.prompts_per_iteration=16 logging.wandb_mode=disabled trainer.output_dir="$RESULTS_DIR/run"
 if [ -f "$RESULTS_DIR/run/metrics.jsonl" ]; then
-    python - "$RESULTS_DIR/run/metrics.jsonl" <<'PY' | tee "$RESULTS_DIR/run_summary.txt"
+    "$PY" - "$RESULTS_DIR/run/metrics.jsonl" <<'PY' | tee "$RESULTS_DIR/run_summary.txt"
 import json, sys
 rows = [json.loads(x) for x in open(sys.argv[1]) if x.strip()]
 for m in rows:

@@ -77,3 +77,17 @@ def test_collective_needs_the_ray_backend(tokenizer_dir):
 
     with pytest.raises(ConfigError, match="engine.weight_sync"):
         load_config(RunConfig, None, ["engine.backend=local", "engine.weight_sync=collective"])
+
+
+def test_collective_refuses_members_sharing_a_device():
+    """nccl/hccl cannot hold two members of a group on one device: the check names who shares
+    which device (on CUDA the ids are device uuids: tests/test_gpu.py)."""
+    from periodic_async.config import ConfigError
+    from periodic_async.engine.collective import _accelerator_id, _check_devices_apart
+
+    here = _accelerator_id(device=torch.device("cpu"))
+    _check_devices_apart(torch.device("cpu"), ["other-0", "other-1"])  # all apart: no error
+    with pytest.raises(ConfigError, match="engine worker 0 and engine worker 1 are on the same accelerator"):
+        _check_devices_apart(torch.device("cpu"), ["other", "other"])
+    with pytest.raises(ConfigError, match=f"the trainer and engine worker 1 are on the same accelerator \\({here}\\)"):
+        _check_devices_apart(torch.device("cpu"), ["other", here])

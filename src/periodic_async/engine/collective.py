@@ -23,6 +23,10 @@ The broadcasts are asynchronous on the trainer: they complete while the workers 
 and `publish` waits for the previous barrier's before reusing its buffers. No pickling, no
 numpy conversion, no object store; with nccl the weights go device to device.
 
+nccl and hccl need one device per member of the group: the trainer and every worker on
+accelerators of their own (checked by device uuid in `attach`, with an error that names who
+shares which device; on a single GPU the object-store path is the one that works).
+
 Not verified here: nccl and hccl (no accelerator on the CI machine); only gloo is tested
 (tests/test_weight_sync.py). Worker restarts and elastic worker counts need a group of
 changing size and are refused by the config (engine.weight_sync).
@@ -31,11 +35,13 @@ changing size and are refused by the config (engine.weight_sync).
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from periodic_async.config import ConfigError
 from periodic_async.engine.base import WeightSync
 
 ALIGN = 64
@@ -70,6 +76,28 @@ def _broadcast(group, buffer: torch.Tensor):
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     return group.broadcast([buffer], opts)
+
+
+def _accelerator_id(_actor=None, device: torch.device | None = None) -> str:
+    """The physical id of `device` (a Ray worker: the first accelerator Ray gave it), which
+    tells two processes on one GPU apart from two GPUs whatever each process calls its device."""
+    if device is None or device.type == "cuda":
+        return str(torch.cuda.get_device_properties(device if device is not None else 0).uuid)
+    return f"{device.type}:{device.index or 0}@{os.uname().nodename}"  # NPU: no uuid in torch_npu
+
+
+def _check_devices_apart(trainer_device: torch.device, worker_ids: list[str]) -> None:
+    """nccl (and hccl) refuse two ranks of one group on one device ("Duplicate GPU detected"):
+    say so before the group is formed, naming who shares what."""
+    owners: dict[str, str] = {}
+    for who, ident in [("the trainer", _accelerator_id(device=trainer_device))] + [
+            (f"engine worker {w}", i) for w, i in enumerate(worker_ids)]:
+        if ident in owners:
+            raise ConfigError(
+                f"engine.weight_sync=collective: {owners[ident]} and {who} are on the same accelerator ({ident}); "
+                "nccl/hccl need one device per member of the group. Give each engine worker a device of its own "
+                "(fewer workers, or more GPUs), or use engine.weight_sync=object_store, which works on one device.")
+        owners[ident] = who
 
 
 def _buffer_device(backend: str, device: torch.device) -> torch.device:
@@ -169,6 +197,9 @@ class CollectiveSync(WeightSync):
         import ray
 
         host = self.host or ray.util.get_node_ip_address()
+        if self.backend != "gloo":
+            _check_devices_apart(self.device, ray.get([w.__ray_call__.remote(_accelerator_id) for w in workers],
+                                                      timeout=self.timeout_s))
         self._store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.timeout_s))
         world = len(workers) + 1
