@@ -73,3 +73,30 @@ def test_saved_run_info_has_no_secrets(tmp_path, monkeypatch):
     assert saved["engine"]["ray_address"] == "ray://me:<redacted>@head:10001"
     assert saved["logging"]["wandb_project"] == "<redacted>-proj"
     assert saved["engine"]["max_tokens"] == cfg.engine.max_tokens and saved["pipeline"]["mode"] == "periodic-async"
+
+
+def test_wandb_never_sees_a_secret_on_the_command_line(tmp_path, monkeypatch):
+    """W&B records the command line with each run: a secret passed as an override reaches
+    neither its config nor its metadata (offline run files), nor changes our own sys.argv."""
+    import sys
+
+    pytest.importorskip("wandb")
+    from periodic_async.trace import MetricsLogger
+
+    token = "hf_CommandLineToken77"
+    monkeypatch.setenv("HF_TOKEN", token)
+    for var in ("WANDB_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    argv = ["periodic-async", "train", f"engine.ray_address=ray://me:{token}@head:10001"]
+    monkeypatch.setattr(sys, "argv", argv)
+    cfg = load_config(RunConfig, None, argv[2:] + [f"trainer.output_dir={tmp_path}"])
+    logger = MetricsLogger(tmp_path, cfg, mode="offline")
+    logger.log({"x": 1.0}, step=1)
+    logger.close()
+    assert sys.argv is argv
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    records = [p for p in written if p.suffix == ".wandb"]  # the offline run's records: config, metadata, argv
+    assert records and b"engine.ray_address=ray://me:<redacted>@head" in records[0].read_bytes(), \
+        "the test must see W&B's record of the command line"
+    for p in written:
+        assert token.encode() not in p.read_bytes(), p

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -118,6 +119,20 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+@contextmanager
+def _redacted_argv():
+    """W&B records the command line (`sys.argv`) with each run: show it the line with every
+    secret environment value replaced (a token passed as a `key=value` override, say)."""
+    from periodic_async.config import redact_secrets
+
+    argv = sys.argv
+    sys.argv = redact_secrets(list(argv))
+    try:
+        yield
+    finally:
+        sys.argv = argv
+
+
 class MetricsLogger:
     """JSONL metrics (always) plus W&B (unless mode='disabled' or wandb is missing).
 
@@ -143,9 +158,10 @@ class MetricsLogger:
                 group = group or getattr(getattr(config, "logging", None), "wandb_group", "") or \
                     os.environ.get("WANDB_RUN_GROUP") or None
                 mode_name = getattr(getattr(config, "pipeline", None), "mode", None)
-                self._wandb = wandb.init(project=project, name=name, mode=mode, config=cfg, group=group,
-                                         job_type=mode_name, dir=str(Path(out_dir).resolve()),
-                                         reinit="finish_previous")
+                with _redacted_argv():
+                    self._wandb = wandb.init(project=project, name=name, mode=mode, config=cfg, group=group,
+                                             job_type=mode_name, dir=str(Path(out_dir).resolve()),
+                                             reinit="finish_previous")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self._file.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
@@ -180,8 +196,12 @@ def log_experiment(name: str, csv_paths: list[str | Path], figure_paths: list[st
     os.environ.setdefault("WANDB_SILENT", "true")
     csvs = [Path(p) for p in csv_paths if Path(p).is_file()]
     figures = [Path(p) for p in figure_paths if Path(p).is_file()]
-    run = wandb.init(project=project, name=f"{name}-summary", group=name, job_type="summary", mode=mode,
-                     config=config or {}, reinit="finish_previous")
+    from periodic_async.config import redact_secrets
+
+    with _redacted_argv():
+        run = wandb.init(project=project, name=f"{name}-summary", group=name, job_type="summary", mode=mode,
+                         config=redact_secrets(config or {}), reinit="finish_previous",
+                         dir=os.environ.get("WANDB_DIR"))  # W&B reads its environment once per process
     try:
         artifact = wandb.Artifact(name, type="results")
         for path in csvs:
