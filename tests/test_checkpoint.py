@@ -1,8 +1,10 @@
 """Checkpoints mean what they say: a run stopped (or failed) at iteration k and resumed from its
 checkpoint gives the uninterrupted run's tokens and weights (fp64); a checkpoint loads without
 pickle; only the last k are kept; a partial one is never resumed; a non-finite gradient leaves
-the last good checkpoint; a failure while starting releases the engine; and SIGTERM stops the
-CLI cleanly, with a checkpoint and no process left behind."""
+the last good checkpoint; after a failure on trainer ranks ddp's rank 0 saves alone and fsdp
+writes nothing; a failure while starting releases the engine; and SIGTERM stops the CLI
+cleanly, with a checkpoint and no process left behind. (Checkpoints written and resumed by
+trainer ranks: tests/test_distributed.py.)"""
 
 import json
 import os
@@ -222,6 +224,28 @@ def test_nonfinite_gradient_keeps_last_checkpoint(engine, tokenizer_dir, tmp_pat
     consumer = Consumer(policy, cfg)
     assert checkpoint.load(ckpt, policy, consumer, cfg) == 1
     assert all(bool(torch.isfinite(p).all()) for p in policy.parameters())
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_after_failure_on_trainer_ranks(parallel, tokenizer_dir, tmp_path, capsys):
+    """After a failure rank 0 saves on its own: under ddp it holds the whole state and writes it
+    with no collective (here there is no process group at all); under fsdp the state is sharded
+    and the other ranks may never join a gather, so nothing is written and it says so."""
+    from periodic_async.distributed import Ranks
+
+    cfg = _cfg(tmp_path, tokenizer_dir)
+    policy, tokenizer = load_policy(cfg.model)
+    consumer = Consumer(policy, cfg)
+    consumer.ranks = Ranks(rank=0, world_size=2, parallel=parallel)  # rank 0 of 2, laid out as one process
+    saves = checkpoint.Checkpoints(cfg, policy, tokenizer, consumer)
+    consumer.version = 1  # one iteration completed, then the failure
+    saves.after_failure()
+    if parallel == "ddp":
+        assert list(checkpoint.complete_checkpoints(tmp_path)) == [1]
+        assert json.loads((tmp_path / "checkpoint-1" / "checkpoint.json").read_text())["trainer_ranks"] == 2
+    else:
+        assert checkpoint.latest(tmp_path) is None
+        assert "no checkpoint after a failure" in capsys.readouterr().out
 
 
 class _FailsToStart:

@@ -1,9 +1,12 @@
 """Trainer ranks (distributed.py) on real gloo process groups, checked against one process:
 uneven (and empty) shares of an iteration's groups give the single-process update (fp64), FSDP2
-lays policy / old / ref out alike so that refreshing old needs no communication, and a
-torchrun run of `python -m periodic_async train` follows the single-process run."""
+lays policy / old / ref out alike so that refreshing old needs no communication, checkpoints
+written by 2 ranks (ddp, fsdp) are a single process's and resume in either (the uninterrupted
+run's tokens and weights), and a torchrun run of `python -m periodic_async train` follows the
+single-process run."""
 
 import datetime
+import json
 import os
 import random
 import re
@@ -216,3 +219,92 @@ def test_torchrun_train_matches_single_process(tokenizer_dir, tmp_path):
     start = build_model(cfg.model, load_tokenizer(tokenizer_dir)).state_dict()
     assert max((weights["one"][k] - start[k]).abs().max().item() for k in start) > 1e-3
     assert max((weights["ranks"][k] - weights["one"][k]).abs().max().item() for k in start) <= 1e-10
+
+
+# --- checkpoints across ranks: written by N ranks, resumed by N ranks or by one process, and back ---------------
+
+
+def _ckpt_cfg(tokenizer_dir, out: Path, parallel: str, **extra) -> RunConfig:
+    overrides = dict(o.split("=", 1) for o in _cli_overrides(tokenizer_dir, out))
+    overrides.update({"trainer.parallel": parallel, "trainer.iterations": 3, "trainer.save_every": 1,
+                      "trainer.keep_last": 3, "reward.timeout_s": 0, "logging.trace": False})
+    overrides.update(extra)
+    return load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def _pipeline_ranks(rank: int, world: int, ports: list[int], tokenizer_dir: str, parallel: str,
+                    runs: list[tuple[str, dict]]) -> None:
+    """`pipeline.run` on each rank, once per (output_dir, overrides) in `runs`, each run in a
+    process group of its own (run closes it), as torchrun would start them one after the other."""
+    from periodic_async.pipeline import run
+
+    for port, (out, extra) in zip(ports, runs):
+        _join_ranks(rank, world, port)
+        run(_ckpt_cfg(tokenizer_dir, Path(out), parallel, **extra))
+
+
+def _ckpt_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(ckpt / "model.safetensors")
+
+
+def _diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _tokens(out: Path, iteration: int) -> dict:
+    from periodic_async.trace import read_jsonl
+
+    return {r["prompt_index"]: r["response_ids"] for r in read_jsonl(out / "rollouts.jsonl")
+            if r["iteration"] == iteration}
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_resume_matches_uninterrupted(tokenizer_dir, tmp_path, parallel):
+    """Checkpoints are the single process's whatever the ranks and layout. 2 ranks train
+    iterations 0..2 with a checkpoint after each (full); 2 new ranks resume from its
+    checkpoint-2 (mid-run, written by 2 ranks) and from a checkpoint-2 written by one process;
+    one process resumes from the 2 ranks' checkpoint-2. All four sample the same tokens in
+    iteration 2 and end on the same weights (fp64, <= 1e-10), which training moved; the 2 ranks'
+    files are those of one process (safetensors keys, optimizer state by parameter index)."""
+    from periodic_async import checkpoint
+    from periodic_async.pipeline import run
+    from periodic_async.trace import read_jsonl
+
+    one = tmp_path / "one"  # one process, iterations 0..1
+    run(_ckpt_cfg(tokenizer_dir, one, parallel, **{"trainer.iterations": 2}))
+    runs = [(str(tmp_path / "full"), {}),
+            (str(tmp_path / "resumed"), {"trainer.resume": str(tmp_path / "full" / "checkpoint-2")}),
+            (str(tmp_path / "from_one"), {"trainer.resume": str(one / "checkpoint-2")})]
+    _spawn(_pipeline_ranks, (2, [_free_port() for _ in runs], str(tokenizer_dir), parallel, runs))
+    full = tmp_path / "full"
+    assert list(checkpoint.complete_checkpoints(full)) == [1, 2, 3]
+    # devices: the trainer ranks (in-process engine: no engine devices)
+    assert {m["throughput/devices"] for m in read_jsonl(full / "metrics.jsonl")} == {2}
+    assert json.loads((full / "summary.json").read_text())["devices"] == 2
+    assert {m["throughput/devices"] for m in read_jsonl(one / "metrics.jsonl")} == {1}
+    one_resumed = tmp_path / "one_resumed"  # one process from the 2 ranks' checkpoint
+    run(_ckpt_cfg(tokenizer_dir, one_resumed, parallel, **{"trainer.resume": str(full / "checkpoint-2")}))
+
+    assert _diff(_ckpt_weights(full / "checkpoint-2"), _ckpt_weights(one / "checkpoint-2")) <= 1e-10
+    want = _ckpt_weights(full / "checkpoint-3")
+    start = _ckpt_weights(full / "checkpoint-1")
+    assert _diff(want, start) > 1e-3, "training must move the weights"
+    for d in ("resumed", "from_one", "one_resumed"):
+        out = tmp_path / d
+        assert checkpoint.latest(out).name == "checkpoint-3", d
+        assert {r["iteration"] for r in read_jsonl(out / "rollouts.jsonl")} == {2}, f"{d}: not resumed"
+        assert _tokens(out, 2) == _tokens(full, 2) and len(_tokens(out, 2)) == 6, d
+        assert _diff(_ckpt_weights(out / "checkpoint-3"), want) <= 1e-10, d
+    # the same files as one process writes: the tied lm_head once, the optimizer state by index
+    files = {p.name for p in (full / "checkpoint-3").iterdir()} - {"rng_state.pt"}
+    assert files == {p.name for p in (one_resumed / "checkpoint-3").iterdir()} - {"rng_state.pt"}
+    assert want.keys() == _ckpt_weights(one / "checkpoint-2").keys() and "lm_head.weight" not in want
+    ranks_state = torch.load(full / "checkpoint-3" / "trainer_state.pt", weights_only=True)
+    one_state = torch.load(one_resumed / "checkpoint-3" / "trainer_state.pt", weights_only=True)
+    assert ranks_state["optimizer"]["param_groups"] == one_state["optimizer"]["param_groups"]
+    assert ranks_state["optimizer"]["state"].keys() == one_state["optimizer"]["state"].keys()
+    assert max((a[k] - b[k]).abs().max().item() for i, a in ranks_state["optimizer"]["state"].items()
+               for b in [one_state["optimizer"]["state"][i]] for k in ("exp_avg", "exp_avg_sq")) <= 1e-10

@@ -256,3 +256,27 @@ def test_non_finite_gradient_is_not_stepped(tokenizer_dir, tmp_path):
                        match=r"iteration 0, optimizer step 0, micro-batch 0 \(prompts \[0\]\): non-finite gradient"):
         consumer.train_iteration([_group(0), bad], iteration=0, version=0)
     assert _max_diff(before, policy.state_dict()) == 0
+
+
+def test_devices_count_trainer_ranks_and_engine_workers_in_use(tokenizer_dir, tmp_path):
+    """`devices_in_use`: trainer ranks x trainer.threads plus the engine workers serving the
+    version (engine.num_workers_schedule) x threads_per_worker when separated, the larger of the
+    two co-located, no engine devices for the in-process engine; the summary divides the trained
+    tokens by device-seconds. (A 2-rank run logs 2 devices: tests/test_distributed.py.)"""
+    from periodic_async.pipeline import _summary, devices_in_use
+
+    sizes = {"engine.threads_per_worker": 2, "trainer.threads": 3, "engine.num_workers_schedule": "{2: 3, 4: 1}"}
+    separated = _cfg(tmp_path, tokenizer_dir, "periodic-async", **sizes)
+    assert [devices_in_use(separated, 1, v) for v in range(5)] == [2 * 2 + 3] * 2 + [3 * 2 + 3] * 2 + [1 * 2 + 3]
+    assert devices_in_use(separated, trainer_ranks=4, version=2) == 3 * 2 + 4 * 3
+    colocated = _cfg(tmp_path, tokenizer_dir, "sync-colocated", **sizes)
+    assert devices_in_use(colocated, 4, 0) == 4 * 3 and devices_in_use(colocated, 1, 2) == 3 * 2
+    local = _cfg(tmp_path, tokenizer_dir, "periodic-async", **{"engine.backend": "local", "trainer.threads": 3})
+    assert devices_in_use(local, 2, 0) == 2 * 3
+
+    rows = [{"tokens/trained": 100, "time/iteration_s": t, "throughput/devices": d, "time/generate_s": 0.5,
+             "time/train_s": 0.5, "reward/mean": 0.0, "accuracy": 0.0} for t, d in ((1.0, 7), (1.0, 9), (2.0, 5))]
+    summary = _summary(separated, rows)  # the first iteration is left out (start-up)
+    assert summary["devices"] == pytest.approx((9 * 1.0 + 5 * 2.0) / 3.0)
+    assert summary["tokens_per_s_per_device"] == pytest.approx(200 / (9 * 1.0 + 5 * 2.0))
+    assert _summary(separated, rows[:2])["devices"] == 9

@@ -31,6 +31,16 @@ Guarantees:
   built from `model.name_or_path` (and `model.seed` for a preset), never from a checkpoint:
   the checkpoint records that source, and a resume whose config names another one is refused
   (e.g. model.name_or_path pointing at the checkpoint, whose ref would be the resumed policy).
+- One format for every layout. Trainer ranks (torchrun; distributed.py) write the single
+  process's files: under ddp rank 0 holds the whole state, under fsdp it is gathered to rank
+  0's CPU first; rank 0 alone writes, every rank takes part in each save (`trainer.save_every`,
+  the end) and none goes on before checkpoint-<t> is complete and renamed (or raises what rank
+  0 raised). A resume is loaded by every rank from the files rank 0 reads. So a checkpoint
+  written by N ranks resumes in one process and the other way round (tests/test_distributed.py),
+  and `model.name_or_path=<run>/checkpoint` loads it anywhere. The RNG state is rank 0's, the
+  one that samples. After a failure only a single process or ddp's rank 0 saves: under fsdp the
+  gather would need ranks that may never join it, and the newest `trainer.save_every`
+  checkpoint stays the last good one.
 - The last `trainer.keep_last` complete checkpoints are kept; older ones are removed only once
   the new one is complete. Checkpoints numbered above a new save belong to another trajectory
   (a resume from an earlier checkpoint) and are removed too; a fresh run (no resume) removes
@@ -117,52 +127,96 @@ def remove_all(out_dir: Path) -> None:
     (out_dir / f"{LATEST}.link-tmp").unlink(missing_ok=True)
 
 
-def save(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunConfig) -> Path:
-    """Write checkpoint-<iteration> atomically, move the link, keep the last trainer.keep_last."""
+def save(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunConfig, collective: bool = True) -> Path:
+    """Write checkpoint-<iteration> atomically, move the link, keep the last trainer.keep_last.
+    Trainer ranks: every rank calls it (`collective`): the whole state comes to rank 0 (a gather
+    under fsdp), rank 0 writes, and every rank returns once the checkpoint is complete, or
+    raises if writing it failed. collective=False: rank 0 writes what it holds, alone (after a
+    failure, where the other ranks may never join; not possible under fsdp)."""
+    ranks = consumer.ranks
+    with interrupt.deferred():
+        if collective:
+            weights, optimizer = ranks.checkpoint_state(policy, consumer.optimizer)
+            return ranks.from_main(lambda: _write(out_dir, iteration, policy, tokenizer, consumer, cfg, weights,
+                                                  optimizer))
+        if ranks.lockstep or not ranks.is_main:
+            raise RuntimeError("checkpoint.save(collective=False): only one process or ddp's rank 0 holds the "
+                               "whole state")
+        return _write(out_dir, iteration, policy, tokenizer, consumer, cfg, None, consumer.optimizer.state_dict())
+
+
+def _write(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunConfig, weights: dict | None,
+           optimizer: dict) -> Path:
+    """The files of checkpoint-<iteration> (weights: the policy's, whole; None: its own state dict)."""
     out_dir = Path(out_dir)
     final, tmp = path(out_dir, iteration), out_dir / f"checkpoint-{iteration}.tmp"
-    with interrupt.deferred():
-        shutil.rmtree(tmp, ignore_errors=True)
-        policy.save_pretrained(tmp)
-        if not list(tmp.glob("*.safetensors")) or list(tmp.glob("*.bin")):
-            raise RuntimeError(f"checkpoint {tmp}: the weights were not written as safetensors")
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
+    if not list(tmp.glob("*.safetensors")) or list(tmp.glob("*.bin")):
+        raise RuntimeError(f"checkpoint {tmp}: the weights were not written as safetensors")
+    if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-        torch.save(consumer.state_dict(), tmp / "trainer_state.pt")
-        torch.save(_rng_state(), tmp / "rng_state.pt")
-        (tmp / "checkpoint.json").write_text(json.dumps({
-            "iteration": iteration, "version": iteration,
-            "data_position": {"iteration": iteration, "seed": cfg.data.seed,
-                              "note": "the prompts of iteration t are data.iteration_prompts(t, data.seed)"},
-            "reference": reference_source(cfg.model), "saved_at": time.time(),
-        }, indent=2))
-        (tmp / MARKER).write_text(f"{iteration}\n")
-        old = out_dir / f"checkpoint-{iteration}.old"
-        if final.exists():  # the same iteration again (a resume from an earlier checkpoint)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        _link_latest(out_dir, final)
-        _prune(out_dir, iteration, cfg.trainer.keep_last)
+    torch.save({**consumer.state_dict(), "optimizer": optimizer}, tmp / "trainer_state.pt")
+    torch.save(_rng_state(), tmp / "rng_state.pt")
+    (tmp / "checkpoint.json").write_text(json.dumps({
+        "iteration": iteration, "version": iteration,
+        "data_position": {"iteration": iteration, "seed": cfg.data.seed,
+                          "note": "the prompts of iteration t are data.iteration_prompts(t, data.seed)"},
+        "reference": reference_source(cfg.model), "saved_at": time.time(),
+        "trainer_ranks": consumer.ranks.world_size,
+    }, indent=2))
+    (tmp / MARKER).write_text(f"{iteration}\n")
+    old = out_dir / f"checkpoint-{iteration}.old"
+    if final.exists():  # the same iteration again (a resume from an earlier checkpoint)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    _link_latest(out_dir, final)
+    _prune(out_dir, iteration, cfg.trainer.keep_last)
     return final
 
 
-def load(ckpt: Path, policy, consumer, cfg: RunConfig) -> int:
-    """Restore the policy (and old), optimizer, scheduler and RNG states from `ckpt` into a
-    consumer built from `cfg` (whose ref is the initial weights); returns the iteration to
-    run next. Refuses a config whose reference source differs from the checkpoint's."""
-    from safetensors.torch import load_file
+def resume(cfg: RunConfig, consumer) -> Path | None:
+    """Load the checkpoint `trainer.resume` names (`resume_dir`) into `consumer`; returns it, or
+    None for a fresh start. Trainer ranks: every rank calls it; rank 0 finds the checkpoint (its
+    output directory) and the ranks load it together."""
+    ckpt = consumer.ranks.from_main(lambda: resume_dir(cfg))
+    if ckpt is not None:
+        load(ckpt, consumer.policy, consumer, cfg)
+    return ckpt
 
-    ckpt = Path(ckpt)
+
+def _read_info(ckpt: Path, cfg: RunConfig) -> dict:
+    """checkpoint.json, refused when the config's reference source differs from the checkpoint's."""
     info = json.loads((ckpt / "checkpoint.json").read_text())
     if info["reference"] != reference_source(cfg.model):
         raise ValueError(f"trainer.resume: checkpoint {str(ckpt)!r} was trained against the reference "
                          f"{info['reference']}, this run's model.name_or_path={cfg.model.name_or_path!r} "
                          f"(model.seed={cfg.model.seed}) gives {reference_source(cfg.model)}: resume with the "
                          "original run's model settings (the reference is the initial weights, not the checkpoint)")
-    device = next(policy.parameters()).device
+    return info
+
+
+def _read_weights(ckpt: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     saved: dict[str, torch.Tensor] = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        saved.update(load_file(f, device=str(device)))
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        saved.update(load_file(f, device=device))
+    return saved
+
+
+def load(ckpt: Path, policy, consumer, cfg: RunConfig) -> int:
+    """Restore the policy (and old), optimizer, scheduler and RNG states from `ckpt` into a
+    consumer built from `cfg` (whose ref is the initial weights); returns the iteration to
+    run next. Refuses a config whose reference source differs from the checkpoint's.
+    Trainer ranks: every rank calls it (rank 0's `ckpt` counts; the others may not see it)."""
+    if consumer.ranks.distributed:
+        return _load_ranks(Path(ckpt) if ckpt is not None else None, policy, consumer, cfg)
+    ckpt = Path(ckpt)
+    info = _read_info(ckpt, cfg)
+    device = next(policy.parameters()).device
+    saved = _read_weights(ckpt, str(device))
     result = policy.load_state_dict(saved, strict=False)
     current = policy.state_dict()
     loaded_ptrs = {current[k].data_ptr() for k in saved if k in current}
@@ -177,8 +231,36 @@ def load(ckpt: Path, policy, consumer, cfg: RunConfig) -> int:
     return int(info["iteration"])
 
 
+def _load_ranks(ckpt: Path | None, policy, consumer, cfg: RunConfig) -> int:
+    """`load` on trainer ranks: rank 0 reads the files; weights and optimizer state go to every
+    rank's (sharded) models through torch.distributed.checkpoint, the rest in one broadcast."""
+    ranks, local = consumer.ranks, {}
+
+    def read() -> dict:
+        info = _read_info(ckpt, cfg)
+        local["weights"] = _read_weights(ckpt)
+        local["trainer"] = torch.load(ckpt / "trainer_state.pt", weights_only=True)
+        local["rng"] = torch.load(ckpt / "rng_state.pt", weights_only=True)
+        if "optimizer" not in local["trainer"]:
+            raise KeyError(f"checkpoint {str(ckpt)!r}: trainer_state.pt has no optimizer state")
+        return {"iteration": int(info["iteration"]),
+                "trainer": {k: v for k, v in local["trainer"].items() if k != "optimizer"}}
+
+    head = ranks.from_main(read)
+    ranks.load_checkpoint_state(policy, consumer.optimizer, local.get("weights"),
+                                local.get("trainer", {}).get("optimizer"))
+    consumer.tri.refresh_old()
+    consumer.load_state_dict(head["trainer"], optimizer=False)
+    consumer.version = head["iteration"]
+    if ranks.is_main:
+        _set_rng_state(local["rng"])
+    return head["iteration"]
+
+
 class Checkpoints:
-    """The checkpoints of one run: every `trainer.save_every` iterations, after a failure, at the end."""
+    """The checkpoints of one run: every `trainer.save_every` iterations, after a failure, at the end.
+    Trainer ranks: every rank keeps one and calls `every` and `save` at the same points of the
+    loop (a save is collective); `after_failure` is rank 0's alone."""
 
     def __init__(self, cfg: RunConfig, policy, tokenizer, consumer) -> None:
         self.cfg, self.policy, self.tokenizer, self.consumer = cfg, policy, tokenizer, consumer
@@ -186,9 +268,9 @@ class Checkpoints:
         self.start = consumer.version
         self.saved: set[int] = set()
 
-    def save(self, iteration: int) -> Path:
+    def save(self, iteration: int, collective: bool = True) -> Path:
         if iteration not in self.saved:
-            save(self.out, iteration, self.policy, self.tokenizer, self.consumer, self.cfg)
+            save(self.out, iteration, self.policy, self.tokenizer, self.consumer, self.cfg, collective=collective)
             self.saved.add(iteration)
         return path(self.out, iteration)
 
@@ -200,9 +282,14 @@ class Checkpoints:
     def after_failure(self) -> None:
         """Keep what was trained: the weights of the consumer's version (the last completed
         iteration; a failed iteration never stepped). With several optimizer steps per
-        iteration a failure may fall between them, where no label fits: nothing is saved."""
+        iteration a failure may fall between them, where no label fits: nothing is saved.
+        Rank 0 alone: under fsdp (sharded state, other ranks perhaps gone) nothing is saved."""
         if self.cfg.algorithm.optimizer_steps_per_iteration == 1 and self.consumer.version > self.start:
-            self.save(self.consumer.version)
+            if self.consumer.ranks.lockstep:
+                print(f"[train] trainer.parallel=fsdp: no checkpoint after a failure (the sharded state needs "
+                      f"every rank to gather it); the newest complete one is {latest(self.out)}")
+                return
+            self.save(self.consumer.version, collective=False)
 
 
 def _link_latest(out_dir: Path, target: Path) -> None:

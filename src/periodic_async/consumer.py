@@ -207,12 +207,15 @@ class Consumer:
             state["grad_scaler"] = self.tri.scaler.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        missing = [k for k in ("optimizer", "scheduler") if k not in state]
+    def load_state_dict(self, state: dict, optimizer: bool = True) -> None:
+        """Restore `state_dict()`'s state. optimizer=False: the optimizer's is restored elsewhere
+        (trainer ranks: `distributed.Ranks.load_checkpoint_state`), the rest here."""
+        missing = [k for k in ("optimizer", "scheduler")[0 if optimizer else 1:] if k not in state]
         if missing:
             raise KeyError(f"trainer state has no {missing} (a checkpoint from before lr schedules existed "
                            "cannot resume its schedule; start a fresh run)")
-        self.optimizer.load_state_dict(state["optimizer"])
+        if optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The position comes from the checkpoint, the schedule from this run's config: set the
         # lr it gives there (same config: the saved lr; more trainer.iterations: the stretched schedule).

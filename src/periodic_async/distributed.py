@@ -34,7 +34,24 @@ Guarantees:
   micro-batches in lock-step: before each micro-step they agree (a 1-element all-reduce)
   whether any rank still has work, and a rank without work runs a zero-weight micro-step.
   Gradients are reduce-scattered as sums in each backward; counts are all-reduced once.
-  Under FSDP checkpoints are not written and resume is refused (not implemented).
+- Checkpoints (checkpoint.py) are those of a single process, whatever N and the layout: every
+  rank takes part in each save (`trainer.save_every`, the end) at the same point of the loop.
+  Under fsdp the whole policy and optimizer state is gathered to rank 0's CPU
+  (`get_model_state_dict` / `get_optimizer_state_dict`, full_state_dict + cpu_offload; the
+  optimizer state re-keyed by parameter index, tied weights once, as `save_pretrained` writes
+  them); under ddp rank 0 holds it whole already. Rank 0 alone writes, and the other ranks wait
+  until `checkpoint-<t>` is complete and renamed, or raise what rank 0 raised (`from_main`):
+  no rank runs ahead of a checkpoint. A resume is loaded by every rank: rank 0 reads the files
+  (only rank 0 needs the output directory) and `set_model_state_dict` /
+  `set_optimizer_state_dict` (full_state_dict + broadcast_from_rank0) hand each rank its part;
+  the scheduler state and the version travel with one broadcast. So a checkpoint written by N
+  ranks (ddp or fsdp) resumes in one process, and one written by one process resumes on N
+  ranks (tests/test_distributed.py: the same tokens and weights as the uninterrupted run). The RNG
+  state saved and restored is rank 0's: rank 0 alone samples (producer, engines); the other
+  ranks draw no random numbers. The reference is never saved: every rank rebuilds it from the
+  initial weights. After a failure only ddp's rank 0 saves (alone: it holds the whole state);
+  under fsdp a gather would need ranks that may never join it, so nothing is saved and the
+  newest `trainer.save_every` checkpoint stays the last good one.
 - Backend from the device: gloo on CPU, nccl on CUDA, hccl on NPU (torch_npu). Only gloo is
   exercised here (no GPU/NPU on the CI machine).
 """
@@ -163,26 +180,94 @@ class Ranks:
         return groups
 
     def start(self, consumer, start_iteration: int) -> int:
-        """All ranks begin where rank 0 does (after its resume): rank 0's weights, old copy,
-        optimizer and scheduler state and version (ddp). Returns the first iteration."""
+        """All ranks begin at rank 0's iteration: a check (the weights came from rank 0 through
+        `layout`, a resume through `checkpoint.resume`, which every rank joins). Returns it."""
         if not self.distributed:
             return start_iteration
-        box = [start_iteration]
+        at = torch.tensor([start_iteration, -start_iteration], dtype=torch.float64, device=self.device_type)
+        dist.all_reduce(at, op=dist.ReduceOp.MAX)
+        if at[0].item() != -at[1].item():
+            raise RuntimeError(f"rank {self.rank}: the ranks start at different iterations "
+                               f"({-at[1].item():.0f} to {at[0].item():.0f}): all must resume the same checkpoint")
+        return start_iteration
+
+    def from_main(self, fn):
+        """`fn()` run on rank 0, its (picklable) result returned on every rank, which waits for
+        it: a barrier behind rank 0's work. What `fn` raises on rank 0 is raised there, and on
+        the other ranks as a RuntimeError naming it. A single process just calls `fn`."""
+        if not self.distributed:
+            return fn()
+        box, error = [None], None
+        if self.is_main:
+            try:
+                box = [(True, fn())]
+            except BaseException as e:  # noqa: BLE001 - the other ranks must not wait forever
+                error, box = e, [(False, f"{type(e).__name__}: {e}")]
         dist.broadcast_object_list(box, src=0)
-        if self.parallel == "fsdp":
-            if box[0] != 0:
-                raise NotImplementedError("trainer.parallel=fsdp: resuming from a checkpoint is not implemented")
-            return 0
-        with torch.no_grad():
-            for t in [*consumer.policy.parameters(), *consumer.policy.buffers()]:
-                dist.broadcast(t.data, src=0)
-        consumer.tri.refresh_old()
-        state = [consumer.state_dict() if self.is_main else None]
-        dist.broadcast_object_list(state, src=0)
+        if error is not None:
+            raise error
+        ok, value = box[0]
+        if not ok:
+            raise RuntimeError(f"rank {self.rank}: rank 0 failed: {value}")
+        return value
+
+    # --- checkpoints: the whole state on rank 0, and back to every rank ---------------------------
+
+    def checkpoint_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        """(weights, optimizer state) whole, in a single process's format, on rank 0; (None, None)
+        on the other ranks. weights None on rank 0: `model.state_dict()` is whole (one process,
+        ddp). fsdp: gathered to rank 0's CPU, one tensor at a time (a collective: every rank
+        calls it), tied weights once; the optimizer state keyed by parameter index."""
+        if not self.lockstep:
+            return None, (optimizer.state_dict() if self.is_main else None)
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=options)
+        # Before the first step there is no state to gather (and get_optimizer_state_dict would
+        # create some with a zero-lr step, which counts as a step for Adam's bias correction).
+        optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer.state else None
         if not self.is_main:
-            consumer.load_state_dict(state[0])
-        consumer.version = box[0]
-        return box[0]
+            return None, None
+        aliases = _aliases(model)
+        weights = {k: v for k, v in weights.items() if k not in aliases}
+        return weights, (optimizer.state_dict() if optim is None else _by_index(optim, _param_names(model, optimizer)))
+
+    def load_checkpoint_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                              weights: dict | None, optimizer_state: dict | None) -> None:
+        """Every rank: load rank 0's whole `weights` (tied weights may appear once, as in a
+        safetensors checkpoint) and `optimizer_state` (keyed by parameter index, as
+        `optimizer.state_dict()`) into this rank's model and optimizer, each rank taking its
+        part (ddp: all of it); the other ranks pass None. A collective."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        names = _param_names(model, optimizer)
+
+        def check() -> bool:
+            nonlocal weights, optimizer_state
+            weights = dict(weights)
+            for alias, name in _aliases(model).items():
+                if alias not in weights and name in weights:
+                    weights[alias] = weights[name]
+            expected = set(model.state_dict())
+            missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+            if missing or unexpected:
+                raise ValueError(f"the checkpoint's weights do not fit the policy: missing {missing}, "
+                                 f"unexpected {unexpected}")
+            indices = {i for g in optimizer_state["param_groups"] for i in g["params"]}
+            if len(indices) != len(names):
+                raise ValueError(f"the checkpoint's optimizer state has {len(indices)} parameters, "
+                                 f"the policy {len(names)}")
+            optimizer_state = _by_name(optimizer_state, names)
+            return bool(optimizer_state["state"])
+
+        has_state = self.from_main(check)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, weights if self.is_main else {}, options=options)
+        if has_state:  # else the fresh optimizer is the saved one (a checkpoint before any step)
+            set_optimizer_state_dict(model, optimizer, optimizer_state if self.is_main else {}, options=options)
 
     # --- the groups -----------------------------------------------------------------------
 
@@ -198,14 +283,6 @@ class Ranks:
         """The groups this rank trains in `iteration`, claimed one at a time; `.version` is the
         version rank 0 says sampled them."""
         return _Claims(self, iteration)
-
-    def checkpoints(self, checkpoints):
-        """What saves the run's checkpoints: rank 0's `checkpoint.Checkpoints` (ddp: rank 0 holds
-        the whole state), nothing under fsdp (not implemented: weights and optimizer are sharded)."""
-        if self.lockstep:
-            print("[train] trainer.parallel=fsdp: checkpoints are not written (not implemented)")
-            return _NoCheckpoints()
-        return checkpoints
 
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
@@ -263,17 +340,6 @@ def _all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:
             bucket = []
         if g is not None:
             bucket.append(g)
-
-
-class _NoCheckpoints:
-    def save(self, iteration: int) -> None:
-        pass
-
-    def every(self, completed: int) -> None:
-        pass
-
-    def after_failure(self) -> None:
-        pass
 
 
 class _Failed:
@@ -355,8 +421,10 @@ class _HandOut(_Claims):
 
 
 def follow(cfg, ranks: Ranks) -> dict:
-    """The loop of ranks > 0: no engines, producer, books or checkpoints; the same collectives as
-    rank 0's `pipeline.run`, in the same order (start, barrier weights, one reduction per iteration)."""
+    """The loop of ranks > 0: no engines, producer or books; the same collectives as rank 0's
+    `pipeline.run`, in the same order (resume, start, barrier weights, one reduction per
+    iteration, checkpoints)."""
+    from periodic_async import checkpoint
     from periodic_async.consumer import Consumer
     from periodic_async.model import load_policy
 
@@ -366,13 +434,51 @@ def follow(cfg, ranks: Ranks) -> dict:
     consumer = Consumer(policy, cfg, ranks=ranks)
     taken = []
     try:
-        start = ranks.start(consumer, 0)
+        checkpoint.resume(cfg, consumer)  # rank 0's checkpoint (if it resumes), loaded together
+        start = ranks.start(consumer, consumer.version)
+        checkpoints = checkpoint.Checkpoints(cfg, policy, None, consumer)  # saves: rank 0 writes
         consumer.engine_state_dict()  # rank 0's first barrier (a gather under fsdp)
         for iteration in range(start, cfg.trainer.iterations):
             claims = ranks.claims(iteration)
             consumer.train_iteration(claims, iteration, claims.version)
             consumer.engine_state_dict()  # the barrier
             taken.append(claims.taken)
+            checkpoints.every(consumer.version)
+        checkpoints.save(consumer.version)
     finally:
         ranks.close()
     return {"rank": ranks.rank, "first_iteration": start, "groups_trained": taken}
+
+
+def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter the optimizer holds, in its order (= the index
+    `optimizer.state_dict()` gives it)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{second name: first name} of the parameters registered twice (tied embeddings: lm_head.weight
+    -> model.embed_tokens.weight), the names `save_pretrained` leaves out."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def _by_index(state: dict, names: list[str]) -> dict:
+    """An optimizer state dict keyed by parameter name (torch.distributed.checkpoint's) keyed by
+    index instead (`optimizer.state_dict()`'s), `names` giving the order."""
+    index = {n: i for i, n in enumerate(names)}
+    return {"state": {index[n]: v for n, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
+
+
+def _by_name(state: dict, names: list[str]) -> dict:
+    """The inverse of `_by_index`."""
+    return {"state": {names[int(i)]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in state["param_groups"]]}

@@ -31,9 +31,9 @@ n, stderr}, and also appears in metrics.jsonl as eval/* with eval/version.
 Per-iteration metrics (metrics.jsonl + W&B): reward, accuracy, lengths, trained tokens,
 tokens/s per device, phase times and idle times. Definitions:
     trained tokens        sum over samples of (P + R_i): the logical tokens, whatever the packing
-    devices               engine workers x threads_per_worker + trainer threads (separated modes);
-                          the larger of the two (co-located). On CPU a device is a core.
-    tokens/s per device   trained tokens / iteration wall time / devices
+    devices               trainer ranks and the engine workers in use: `devices_in_use`
+    tokens/s per device   trained tokens / iteration wall time / devices; the summary's is
+                          trained tokens / device-seconds (devices may change: num_workers_schedule)
 """
 
 from __future__ import annotations
@@ -61,22 +61,36 @@ from periodic_async.reward import make_reward
 from periodic_async.trace import MetricsLogger, Tracer
 
 
-def devices_in_use(cfg: RunConfig) -> int:
-    """Devices (CPU cores) the run holds: engines + trainer when separated; when co-located the
-    two take turns on the same devices (the in-process engine uses the trainer's threads)."""
-    engines = cfg.engine.num_workers * cfg.engine.threads_per_worker if cfg.engine.backend != "local" else 0
+def devices_in_use(cfg: RunConfig, trainer_ranks: int = 1, version: int = 0) -> int:
+    """The devices the run holds while its engines serve `version` (the definition behind
+    throughput/tokens_per_s_per_device, throughput/devices and the summary's devices):
+
+        trainer   trainer_ranks (torchrun's world size) x trainer.threads
+        engines   the workers serving `version` (engine.num_workers_schedule: the count of its
+                  largest key <= version; else engine.num_workers) x engine.threads_per_worker;
+                  none with engine.backend=local (in the trainer's process, on its threads)
+        devices   trainer + engines in the separated modes; max(trainer, engines) in
+                  sync-colocated, where the two take turns on the same devices
+
+    On CPU a device is a core; on accelerators set trainer.threads and engine.threads_per_worker
+    to the devices one rank and one worker use (e.g. 1 and the tensor-parallel size)."""
+    schedule = sorted(cfg.engine.num_workers_schedule.items())
+    workers = ([n for v, n in schedule if v <= version] or [cfg.engine.num_workers])[-1]
+    engines = workers * cfg.engine.threads_per_worker if cfg.engine.backend != "local" else 0
+    trainer = trainer_ranks * cfg.trainer.threads
     if cfg.pipeline.mode == "sync-colocated":
-        return max(cfg.trainer.threads, engines)
-    return engines + cfg.trainer.threads
+        return max(trainer, engines)
+    return engines + trainer
 
 
 def _iteration_metrics(groups: list[Group], t_start: float, t_end: float, train: dict, sync_s: float,
-                       cfg: RunConfig) -> dict[str, float]:
+                       cfg: RunConfig, trainer_ranks: int = 1) -> dict[str, float]:
     rewards = [r for g in groups for r in g.rewards]
     lengths = [len(r) for g in groups for r in g.response_ids]
     trained = sum(len(g.prompt_ids) * g.size + g.num_response_tokens for g in groups)
     wall = t_end - t_start
     gen_s = max(0.0, max(g.timings["finished"] for g in groups) - t_start)  # 0: prefetched (off-policy)
+    devices = devices_in_use(cfg, trainer_ranks, groups[0].iteration)  # the engines hold version t meanwhile
     m = {
         "reward/mean": statistics.fmean(rewards), "reward/std": statistics.pstdev(rewards),
         "accuracy": statistics.fmean(c for g in groups for c in g.correct),
@@ -85,7 +99,7 @@ def _iteration_metrics(groups: list[Group], t_start: float, t_end: float, train:
         "tokens/trained": trained, "tokens/response": sum(lengths),
         "tokens/packed": sum(g.num_packed_tokens(cfg.algorithm.shared_prompt) for g in groups),
         "throughput/tokens_per_s": trained / wall,
-        "throughput/tokens_per_s_per_device": trained / wall / devices_in_use(cfg),
+        "throughput/tokens_per_s_per_device": trained / wall / devices, "throughput/devices": devices,
         "time/iteration_s": wall, "time/generate_s": gen_s, "time/train_s": train["train_busy_s"],
         "time/reward_s": sum(g.timings.get("reward_s", 0.0) for g in groups), "time/sync_s": sync_s,
         "idle/engine_s": wall - gen_s,
@@ -140,17 +154,16 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     reward_fn = make_reward(cfg.reward)
     tracer = Tracer(enabled=cfg.logging.trace, path=out / "trace.jsonl")  # streamed as recorded
     consumer = Consumer(policy, cfg, tracer, ranks=ranks)  # tri-model's ref = the initial weights
-    ckpt = checkpoint.resume_dir(cfg)
+    ckpt = checkpoint.resume(cfg, consumer)  # trainer ranks: every rank loads rank 0's checkpoint
     if ckpt is not None:
-        checkpoint.load(ckpt, policy, consumer, cfg)
         print(f"[train] resumed from {ckpt} at iteration {consumer.version}")
     else:  # a fresh run does not append to an earlier run's logs, nor resume its checkpoints
         for name in ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl", "trace.jsonl", "trace.chrome.json",
                      "summary.json"):
             (out / name).unlink(missing_ok=True)
         checkpoint.remove_all(out)
-    ranks.start(consumer, consumer.version)  # every rank from rank 0's weights and optimizer state
-    checkpoints = ranks.checkpoints(checkpoint.Checkpoints(cfg, policy, tokenizer, consumer))
+    ranks.start(consumer, consumer.version)  # every rank at rank 0's iteration
+    checkpoints = checkpoint.Checkpoints(cfg, policy, tokenizer, consumer)  # trainer ranks: every rank saves with us
     start_iteration, last = consumer.version, cfg.trainer.iterations
     completed = start_iteration  # iterations whose optimizer step is done
     with contextlib.ExitStack() as started:  # closed in reverse order, whatever happens
@@ -163,7 +176,7 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
         logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                                name=f"{cfg.pipeline.mode}-{out.name}")
         started.callback(logger.close)
-        books = _Books(cfg, out, logger, producer)
+        books = _Books(cfg, out, logger, producer, ranks.world_size)
         started.callback(books.close)
         mode = make_mode(cfg.pipeline.mode)
         try:
@@ -222,8 +235,10 @@ class _Received:
 class _Books:
     """Everything an iteration writes: metrics (JSONL + W&B), held-out accuracy, rollouts, progress."""
 
-    def __init__(self, cfg: RunConfig, out: Path, logger: MetricsLogger, producer: Producer) -> None:
+    def __init__(self, cfg: RunConfig, out: Path, logger: MetricsLogger, producer: Producer,
+                 trainer_ranks: int = 1) -> None:
         self.cfg, self.out, self.logger, self.producer = cfg, out, logger, producer
+        self.trainer_ranks = trainer_ranks
         self.history: list[dict] = []
         self.logged_evals: set[int] = set()
         self.bar = None
@@ -234,7 +249,7 @@ class _Books:
 
     def iteration(self, groups: list[Group], t_start: float, t_end: float, train: dict, sync_s: float,
                   completed: int) -> None:
-        m = _iteration_metrics(groups, t_start, t_end, train, sync_s, self.cfg)
+        m = _iteration_metrics(groups, t_start, t_end, train, sync_s, self.cfg, self.trainer_ranks)
         m.update(self._new_evals())
         m.update(self.producer.engine.stats())  # e.g. engine/workers, engine/worker_restarts (ray)
         m["pipeline/queue_depth_max"] = self.producer.queue_depth_max  # most groups waiting for the trainer
@@ -276,10 +291,13 @@ def _summary(cfg: RunConfig, history: list[dict]) -> dict:
     steady = history[1:] or history  # the first iteration pays start-up costs
     total_tokens = sum(h["tokens/trained"] for h in steady)
     total_time = sum(h["time/iteration_s"] for h in steady)
+    device_s = sum(h["time/iteration_s"] * h["throughput/devices"] for h in steady)
+    devices = device_s / total_time  # time-weighted: the engine workers may change (num_workers_schedule)
     return {
-        "mode": cfg.pipeline.mode, "iterations": len(history), "devices": devices_in_use(cfg),
+        "mode": cfg.pipeline.mode, "iterations": len(history),
+        "devices": round(devices) if abs(devices - round(devices)) < 1e-9 else devices,
         "tokens_per_s": total_tokens / total_time,
-        "tokens_per_s_per_device": total_tokens / total_time / devices_in_use(cfg),
+        "tokens_per_s_per_device": total_tokens / device_s,
         "mean_generate_s": statistics.fmean(h["time/generate_s"] for h in steady),
         "mean_train_s": statistics.fmean(h["time/train_s"] for h in steady),
         "mean_iteration_s": statistics.fmean(h["time/iteration_s"] for h in steady),
