@@ -8,6 +8,7 @@ tests that need diverse greedy text load "sharpened" weights (std 0.15) with upd
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -289,3 +290,161 @@ def test_vllm_adapter_same_interface(model_cfg, tokenizer, tmp_path):
         assert {o.version for o in engine.generate(reqs)} == {1}
     finally:
         engine.close()
+
+
+def test_placement_config_keys():
+    """The placement keys parse from overrides (None: derived at start) and bad values name the field."""
+    from periodic_async.config import ConfigError, RunConfig, load_config
+
+    cfg = load_config(RunConfig, None, ["engine.gpus_per_worker=0.5", "engine.cpus_per_worker=2",
+                                        "engine.placement_strategy=SPREAD", "engine.worker_backend=vllm"])
+    e = cfg.engine
+    assert (e.gpus_per_worker, e.cpus_per_worker, e.placement_strategy, e.worker_backend) == (0.5, 2.0, "SPREAD", "vllm")
+    assert load_config(RunConfig, None, ["engine.gpus_per_worker=null"]).engine.gpus_per_worker is None
+    for override, fragment in [("engine.gpus_per_worker=1.5", "engine.gpus_per_worker=1.5"),
+                               ("engine.gpus_per_worker=-1", "engine.gpus_per_worker=-1"),
+                               ("engine.cpus_per_worker=-1", "engine.cpus_per_worker=-1"),
+                               ("engine.placement_strategy=DEFAULT", "engine.placement_strategy='DEFAULT'"),
+                               ("engine.placement_timeout_s=0", "engine.placement_timeout_s=0"),
+                               ("engine.worker_backend=sglang", "engine.worker_backend='sglang'")]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            load_config(RunConfig, None, [override])
+    with pytest.raises(ConfigError, match=r"engine.gpus_per_worker=2.0: worker_backend=vllm"):
+        load_config(RunConfig, None, ["engine.worker_backend=vllm", "engine.gpus_per_worker=2"])
+    with pytest.raises(ConfigError, match=r"engine.worker_backend='vllm': needs engine.backend=ray"):
+        load_config(RunConfig, None, ["engine.worker_backend=vllm", "engine.backend=local"])
+
+
+def _group_state(group) -> str:
+    import ray
+
+    return ray.util.placement_group_table(group)["state"]
+
+
+def test_worker_placement_groups_follow_workers(ray_session, model_cfg, tokenizer):
+    """Each worker runs in a placement group of its own, which exists while the worker runs and
+    is removed when the worker is restarted (SIGKILL, found dead by generate), removed, or the
+    engine closes. With every CPU of the cluster already reserved (a loaded machine) the workers
+    still start: their bundles reserve no CPU (a token of memory) and they share the cores."""
+    from periodic_async.engine.ray_engine import TOKEN_BUNDLE
+
+    ray = ray_session
+    hog = ray.util.placement_group([{"CPU": ray.available_resources()["CPU"]}])  # every free CPU
+    ray.get(hog.ready(), timeout=30)
+    engine = make_engine(EngineConfig(backend="ray", num_workers=2, max_num_seqs=2, timeout_s=60, restart_workers=1),
+                         model_cfg)
+    try:
+        first = list(engine.groups)
+        assert [_group_state(g) for g in first] == ["CREATED", "CREATED"]
+        assert all(g.bundle_specs == [TOKEN_BUNDLE] for g in first)
+        in_group = ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_placement_group_id())
+                            for w in engine.workers])
+        assert in_group == [g.id.hex() for g in first]  # each actor runs inside its own group
+
+        os.kill(engine.pids[1], signal.SIGKILL)
+        outs = list(engine.generate([req(tokenizer, f"p{i}", f"placed {i}", max_tokens=4) for i in range(2)]))
+        assert len(engine.restarts) == 1 and {o.worker for o in outs} == {0, 1}
+        assert _group_state(first[1]) == "REMOVED" and _group_state(engine.groups[1]) == "CREATED"
+        assert engine.groups[0] is first[0]
+
+        restarted = engine.groups[1]
+        engine.remove_workers(1)
+        assert _group_state(restarted) == "REMOVED" and _group_state(first[0]) == "CREATED"
+    finally:
+        engine.close()
+        ray.util.remove_placement_group(hog)
+    assert _group_state(first[0]) == "REMOVED"
+
+
+def test_unplaceable_worker_fails_fast(ray_session, model_cfg):
+    """A bundle the cluster cannot hold (a GPU on a machine without one; more CPUs than the
+    cluster has) fails within placement_timeout_s with an EngineError naming the worker,
+    the bundle and the cluster's resources, and leaves no placement group or actor behind."""
+    ray = ray_session
+    before = set(ray.util.placement_group_table())
+    total = ray.cluster_resources()["CPU"]
+    for cfg, worker, bundle, resource in [
+            (dict(num_workers=1, gpus_per_worker=1, cpus_per_worker=1), 0, "{'CPU': 1.0, 'GPU': 1.0}",
+             "GPU 0 available of 0"),
+            (dict(num_workers=2, cpus_per_worker=total + 1), 0, f"{{'CPU': {total + 1}}}", f"available of {total:g}")]:
+        t = time.time()
+        with pytest.raises(EngineError, match=rf"worker {worker} failed .*placement group \(bundle "
+                                              rf"{bundle.replace('{', '[{]')}.*not placed within 2 s") as err:
+            make_engine(EngineConfig(backend="ray", placement_timeout_s=2, **cfg), model_cfg)
+        assert time.time() - t < 15
+        assert err.value.worker == worker and resource in str(err.value)
+    time.sleep(0.5)
+    left = {k: v["state"] for k, v in ray.util.placement_group_table().items() if k not in before}
+    assert left and set(left.values()) == {"REMOVED"}, left
+
+
+def test_vllm_worker_without_vllm_fails_at_start(ray_session, model_cfg, tmp_path):
+    """engine.worker_backend=vllm on a node without vLLM: the real Ray worker fails at start-up
+    and the EngineError names the worker and the missing package (no mock; CPU machines)."""
+    try:
+        import vllm  # noqa: F401
+
+        pytest.skip("vLLM is installed here: the failure cannot happen")
+    except ImportError:
+        pass
+    model, tok = load_policy(model_cfg)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    cfg = ModelConfig(name_or_path=str(tmp_path / "m"), tokenizer=str(tmp_path / "m"), device="cpu")
+    t = time.time()
+    with pytest.raises(EngineError, match=r"worker 0 failed .*did not start: raised while starting: "
+                                          r"ImportError: .*needs the package 'vllm'") as err:
+        make_engine(EngineConfig(backend="ray", worker_backend="vllm", num_workers=1, timeout_s=60), cfg)
+    assert err.value.worker == 0 and time.time() - t < 60
+
+
+@pytest.mark.gpu
+def test_vllm_ray_workers_same_interface(model_cfg, tokenizer, tmp_path):
+    """vLLM inside a Ray worker serves the same contract: groups streamed with the version tag
+    and worker index, weights through the object store (skipped without vLLM and CUDA)."""
+    pytest.importorskip("vllm")
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a GPU")
+    model, tok = load_policy(model_cfg)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    cfg = ModelConfig(name_or_path=str(tmp_path / "m"), tokenizer=str(tmp_path / "m"), device="cuda")
+    engine = make_engine(EngineConfig(backend="ray", worker_backend="vllm", num_workers=1, max_num_seqs=8), cfg)
+    try:
+        assert [i["device"] for i in engine.info()] == ["cuda:0"]
+        reqs = [req(tokenizer, f"v{i}", f"vllm {i}", n=2, max_tokens=8, seed=i) for i in range(3)]
+        outs = list(engine.generate(reqs))
+        assert sorted(o.request_id for o in outs) == ["v0", "v1", "v2"]
+        assert all(len(o.samples) == 2 and o.version == 0 and o.worker == 0 for o in outs)
+        engine.update_weights(model.state_dict(), 1)
+        assert {o.version for o in engine.generate(reqs)} == {1}
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_workers_share_a_gpu_by_fractions(ray_session, model_cfg, tokenizer):
+    """engine.gpus_per_worker=0.5: two workers per GPU, each seeing it as cuda:0; asking one more
+    whole GPU than the machine has fails fast naming that worker (skipped without CUDA)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import dataclasses
+
+    gpus = int(ray_session.cluster_resources().get("GPU", 0))
+    if gpus < 1:
+        pytest.skip("the Ray session sees no GPU")
+    cfg = dataclasses.replace(model_cfg, device="cuda")
+    engine = make_engine(EngineConfig(backend="ray", num_workers=2 * gpus, gpus_per_worker=0.5, cpus_per_worker=1,
+                                      max_num_seqs=2, timeout_s=120), cfg)
+    try:
+        assert {i["device"] for i in engine.info()} == {"cuda:0"}
+        assert all(g.bundle_specs == [{"CPU": 1.0, "GPU": 0.5}] for g in engine.groups)
+        outs = list(engine.generate([req(tokenizer, f"g{i}", f"gpu {i}", max_tokens=4) for i in range(2 * gpus)]))
+        assert {o.worker for o in outs} == set(range(2 * gpus))
+    finally:
+        engine.close()
+    t = time.time()
+    with pytest.raises(EngineError, match=rf"worker {gpus} failed .*'GPU': 1.0.*GPU 0 available of {gpus}"):
+        make_engine(EngineConfig(backend="ray", num_workers=gpus + 1, gpus_per_worker=1, cpus_per_worker=1,
+                                 placement_timeout_s=5), cfg)
+    assert time.time() - t < 60

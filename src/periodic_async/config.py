@@ -173,10 +173,44 @@ class EngineConfig:
     tensors; engine/collective.py). Ray backend, fixed worker count."""
     weight_sync_bucket_mb: float = 64.0
     """collective: the largest flat tensor broadcast at once (MiB)."""
+    worker_backend: str = "batcher"
+    """Ray backend: what each worker runs, 'batcher' (the built-in continuous batcher, any
+    device) or 'vllm' (one vLLM engine per worker on its own GPU share; GPU only, extra `[vllm]`;
+    model.name_or_path must be a local HF model directory)."""
+    gpus_per_worker: float | None = None
+    """Ray backend: GPUs in each worker's placement-group bundle; fractions share a GPU (two
+    workers at 0.5 on one GPU), above 1 only whole numbers. None: 1 if model.device is cuda (or
+    auto and the cluster has GPUs), else 0. 0 with model.device=cuda runs the workers on CPU."""
+    cpus_per_worker: float | None = None
+    """Ray backend: CPUs in each worker's bundle. None: threads_per_worker when the cluster has
+    that many free for every worker being started, else 0 (workers share the cores: a machine
+    with fewer cores than workers still starts them). A bundle with no CPU and no GPU holds 1 MiB
+    of Ray's `memory` resource instead (Ray refuses an empty bundle)."""
+    placement_strategy: str = "PACK"
+    """Ray backend: strategy of each worker's placement group (PACK, SPREAD, STRICT_PACK,
+    STRICT_SPREAD). A worker is one bundle, so its CPUs and GPUs are always on one node."""
+    placement_timeout_s: float = 60.0
+    """Ray backend: a worker whose bundle the cluster cannot place within this time fails at
+    start-up with an EngineError naming the worker, the bundle and the cluster's resources."""
 
     def __post_init__(self) -> None:
         _check(self.backend in ("local", "ray", "vllm"), "engine", "backend", self.backend,
                "expected local, ray or vllm")
+        _check(self.worker_backend in ("batcher", "vllm"), "engine", "worker_backend", self.worker_backend,
+               "expected batcher or vllm")
+        _check(self.worker_backend == "batcher" or self.backend == "ray", "engine", "worker_backend",
+               self.worker_backend, "needs engine.backend=ray (engine.backend=vllm runs vLLM in this process)")
+        gpus = self.gpus_per_worker
+        _check(gpus is None or (gpus >= 0 and (gpus <= 1 or float(gpus).is_integer())), "engine",
+               "gpus_per_worker", gpus, "must be >= 0, and a whole number above 1")
+        _check(gpus is None or gpus <= 1 or self.worker_backend == "batcher", "engine", "gpus_per_worker", gpus,
+               "worker_backend=vllm runs one vLLM engine on at most one GPU per worker")
+        _check(self.cpus_per_worker is None or self.cpus_per_worker >= 0, "engine", "cpus_per_worker",
+               self.cpus_per_worker, "must be >= 0")
+        _check(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "engine",
+               "placement_strategy", self.placement_strategy, "expected PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+        _check(self.placement_timeout_s > 0, "engine", "placement_timeout_s", self.placement_timeout_s,
+               "must be > 0")
         _check(self.num_workers >= 1, "engine", "num_workers", self.num_workers, "must be >= 1")
         _check(self.threads_per_worker >= 1, "engine", "threads_per_worker", self.threads_per_worker, "must be >= 1")
         _check(self.max_num_seqs >= 1, "engine", "max_num_seqs", self.max_num_seqs, "must be >= 1")

@@ -7,10 +7,11 @@
 base.py     the contract (Request, SamplingParams, Sample, RequestOutput, Engine, WeightSync)
 batcher.py  the continuous-batching scheduler and slot KV cache every built-in engine runs
 local.py    in-process engine (co-located baseline, tests)
-ray_engine.py  one Ray actor per worker, streamed results, object-store weight sync, dead workers
-               restarted (engine.restart_workers), workers added/removed between iterations
+ray_engine.py  one Ray actor per worker in its own placement group, streamed results, object-store
+               weight sync, dead workers restarted (engine.restart_workers), workers added/removed
+               between iterations; each worker runs the batcher or vLLM (engine.worker_backend)
 collective.py  weight sync by broadcast in a process group of trainer and workers (engine.weight_sync)
-vllm_engine.py vLLM adapter (GPU only; not exercised on CPU CI)
+vllm_engine.py vLLM adapter, in-process or in Ray workers (GPU only; not exercised on CPU CI)
 """
 
 from __future__ import annotations

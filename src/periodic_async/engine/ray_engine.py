@@ -27,12 +27,28 @@ request's tokens do not depend on the worker, so resizing does not change what i
 Weights: `ObjectStoreSync` puts one dict of numpy arrays in the object store (numpy is read
 zero-copy by the workers, torch tensors are not: ~1 ms against 0.4-1.1 s for 256 MiB); each worker copies them into
 its model. Ray starts locally unless `engine_cfg.ray_address` names a cluster.
+
+Placement: every worker runs in a placement group of its own, one bundle
+{"CPU": engine.cpus_per_worker, "GPU": engine.gpus_per_worker} (GPU left out at 0; fractions
+share a GPU), created when the worker starts and removed when it is removed, restarted or the
+engine closes, so a worker's resources are reserved on one node for exactly its lifetime. A
+bundle the cluster cannot place within `engine.placement_timeout_s` fails the start-up with an
+EngineError naming the worker, the bundle and the cluster's available and total resources
+(instead of waiting out the start-up timeout).
+
+What a worker runs (`engine.worker_backend`): the built-in `ContinuousBatcher`, or a vLLM
+engine (`vllm_engine.VLLMBatcher`, the same submit / step / update_weights interface) on the
+worker's GPU share, fed by the same weight syncs and streamed the same way. A worker that
+cannot start (vLLM missing on its node, say) fails with an EngineError naming the worker and
+the error its constructor raised. NOT RUN HERE: the vLLM-in-actor path needs a GPU and vLLM;
+on this project's CPU machines only its start-up failure is tested.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import signal
 import threading
@@ -42,6 +58,8 @@ from pathlib import Path
 
 import ray
 import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from periodic_async.engine.base import (Engine, EngineError, Request, RequestOutput, WeightSync, assign_workers,
                                         numpy_to_state, state_to_numpy)
@@ -50,6 +68,9 @@ log = logging.getLogger(__name__)
 
 PING_AFTER_S = 2.0
 """A worker silent this long gets a liveness ping (a dead actor fails it at once)."""
+TOKEN_BUNDLE = {"memory": float(2**20)}
+"""The bundle of a worker that reserves no CPU and no GPU: 1 MiB of Ray's `memory` resource (Ray
+refuses an empty bundle, and a token CPU would not fit once every CPU is reserved)."""
 
 
 def _offline_env() -> dict[str, str]:
@@ -73,7 +94,8 @@ def init_ray(engine_cfg) -> bool:
     if engine_cfg.ray_address:
         ray.init(address=engine_cfg.ray_address, **common)
     else:
-        need = engine_cfg.num_workers * engine_cfg.threads_per_worker
+        per_worker = engine_cfg.threads_per_worker if engine_cfg.cpus_per_worker is None else engine_cfg.cpus_per_worker
+        need = math.ceil(engine_cfg.num_workers * per_worker)
         # A local cluster listens on the loopback interface only (no dashboard): nothing on
         # this machine's network can reach its object store or submit work to it. Ray turns a
         # loopback node address into the machine's own unless its multi-node mode is off (as
@@ -101,18 +123,30 @@ class ObjectStoreSync(WeightSync):
         return numpy_to_state(handle)
 
 
+def make_batcher(backend: str, model_cfg, max_num_seqs: int, worker: int, gpus: float = 1.0):
+    """A worker's scheduler: the built-in `ContinuousBatcher` ('batcher') or vLLM ('vllm'), both
+    with submit / has_work / step / reset / update_weights / version / device."""
+    if backend == "vllm":
+        from periodic_async.engine.vllm_engine import VLLMBatcher
+
+        return VLLMBatcher(model_cfg, max_num_seqs, worker=worker,
+                           gpu_memory_utilization=round(0.9 * min(gpus, 1.0), 3) if gpus else 0.9)
+    from periodic_async.engine.batcher import ContinuousBatcher
+    from periodic_async.model import load_policy
+
+    model, tokenizer = load_policy(model_cfg)
+    return ContinuousBatcher(model, tokenizer, max_num_seqs, worker=worker)
+
+
 class EngineWorker:
-    """Actor body: one model, one batcher. max_concurrency=2 lets `abort` and `info` run beside
-    `generate`; a lock keeps a new `generate` (or `update_weights`) from overlapping the tail of
-    an aborted one, and `abort` names the call it stops so it cannot hit a later one."""
+    """Actor body: one batcher (`make_batcher`). max_concurrency=2 lets `abort` and `info` run
+    beside `generate`; a lock keeps a new `generate` (or `update_weights`) from overlapping the
+    tail of an aborted one, and `abort` names the call it stops so it cannot hit a later one."""
 
-    def __init__(self, model_cfg, max_num_seqs: int, worker: int, threads: int):
-        from periodic_async.engine.batcher import ContinuousBatcher
-        from periodic_async.model import load_policy
-
+    def __init__(self, model_cfg, max_num_seqs: int, worker: int, threads: int, backend: str = "batcher",
+                 gpus: float = 0.0):
         torch.set_num_threads(threads)
-        model, tokenizer = load_policy(model_cfg)
-        self.batcher = ContinuousBatcher(model, tokenizer, max_num_seqs, worker=worker)
+        self.batcher = make_batcher(backend, model_cfg, max_num_seqs, worker, gpus)
         self.sync = ObjectStoreSync()
         self._lock = threading.Lock()
         self._aborted = -1
@@ -175,27 +209,36 @@ class RayEngine(Engine):
         self.restarts: list[dict] = []
         """One record per restarted worker: worker, old_pid, new_pid, version, resent (request ids), reason."""
         self._schedule = dict(sorted(engine_cfg.num_workers_schedule.items()))
-        gpus = 1 if model_cfg.device.startswith("cuda") or (
-            model_cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
+        gpus = engine_cfg.gpus_per_worker
+        if gpus is None:
+            gpus = 1 if model_cfg.device.startswith("cuda") or (
+                model_cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
+        self.gpus = float(gpus)
         threads = engine_cfg.threads_per_worker
         self._actor = ray.remote(EngineWorker)
-        self._actor_options = dict(
-            num_gpus=gpus, max_concurrency=2, max_restarts=0,
-            scheduling_strategy="SPREAD" if engine_cfg.ray_address else "DEFAULT",
-            runtime_env={"env_vars": {**_offline_env(), "OMP_NUM_THREADS": str(threads),
-                                      "TOKENIZERS_PARALLELISM": "false"}})
+        env = {**_offline_env(), "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        if engine_cfg.worker_backend == "vllm":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model inside the actor's process: load_weights reaches it
+            from periodic_async.engine.vllm_engine import warn_truncated_logprobs
+
+            warn_truncated_logprobs(engine_cfg)
+        self._actor_options = dict(max_concurrency=2, max_restarts=0, runtime_env={"env_vars": env})
         cfg = _absolute_paths(model_cfg)
-        if gpus:  # Ray shows each actor its own GPU as cuda:0
+        if gpus:  # Ray shows each actor its own GPU (or its share of one) as cuda:0
             cfg = dataclasses.replace(cfg, device="cuda")
+        elif cfg.device.startswith("cuda"):  # gpus_per_worker=0: the workers hold no GPU
+            cfg = dataclasses.replace(cfg, device="cpu")
         self._model_cfg = cfg
         self.workers: list = []
         self.pids: list[int] = []
         """OS process id of each worker (updated when one is restarted)."""
+        self.groups: list = []
+        """The placement group of each worker (None once removed)."""
         try:
             self._start(range(engine_cfg.num_workers), None, 0)
             if hasattr(self.sync, "attach"):  # a collective sync forms its process group with the workers
                 self.sync.attach(self.workers)
-        except EngineError:
+        except BaseException:  # an EngineError, or a ConfigError from attach: no actor outlives the failure
             self.close()
             raise
 
@@ -213,19 +256,59 @@ class RayEngine(Engine):
 
     # --- workers: start, restart, add, remove ---------------------------------------------
 
+    def _bundle(self, n: int) -> dict[str, float]:
+        """The placement-group bundle of each of `n` workers about to start."""
+        cpus = self.cfg.cpus_per_worker
+        if cpus is None:  # all threads if the cluster has them free for all n, else share the cores
+            threads = self.cfg.threads_per_worker
+            cpus = threads if ray.available_resources().get("CPU", 0) >= threads * n else 0
+        bundle = {"CPU": float(cpus)} if cpus else {}
+        if self.gpus:
+            bundle["GPU"] = self.gpus
+        return bundle or dict(TOKEN_BUNDLE)
+
+    def _place(self, indices: list[int], bundle: dict[str, float]) -> dict:
+        """One placement group per worker, placed within `placement_timeout_s`, or EngineError
+        naming the first worker left unplaced (all of this call's groups are then removed)."""
+        strategy, timeout = self.cfg.placement_strategy, self.cfg.placement_timeout_s
+        groups = {w: placement_group([bundle], strategy=strategy) for w in indices}
+        ready = {g.ready(): w for w, g in groups.items()}
+        done, _ = ray.wait(list(ready), num_returns=len(ready), timeout=timeout)
+        if len(done) < len(ready):
+            w = min(w for ref, w in ready.items() if ref not in done)
+            message = (f"did not start: its placement group (bundle {bundle}, strategy {strategy}) was not placed "
+                       f"within {timeout:g} s (engine.placement_timeout_s); the cluster has {_resources(bundle)}. "
+                       "Lower engine.gpus_per_worker / cpus_per_worker or num_workers, or add nodes")
+            for g in groups.values():
+                _remove_group(g)
+            raise EngineError(message, w)
+        return groups
+
     def _start(self, indices, handle, version: int) -> None:
-        """Start workers at `indices` (replacing what is there) and load `handle` as `version`
-        (None: the initial weights, version 0) before they take any request."""
+        """Start workers at `indices` (replacing what is there: its placement group is removed
+        first) and load `handle` as `version` (None: the initial weights, version 0) before they
+        take any request."""
         threads = self.cfg.threads_per_worker
         indices = list(indices)
-        free = ray.available_resources().get("CPU", 0)  # unreserved CPUs: workers then share the cores
-        actor = self._actor.options(**self._actor_options, num_cpus=threads if free >= threads * len(indices) else 0)
-        new = {w: actor.remote(self._model_cfg, self.cfg.max_num_seqs, w, threads) for w in indices}
+        if not indices:
+            return
+        for w in indices:
+            if w < len(self.groups):
+                _remove_group(self.groups[w])
+                self.groups[w] = None
+        bundle = self._bundle(len(indices))
+        groups = self._place(indices, bundle)
+        options = dict(self._actor_options, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                       memory=bundle.get("memory"))
+        new = {w: self._actor.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(groups[w], 0))
+               .remote(self._model_cfg, self.cfg.max_num_seqs, w, threads, self.cfg.worker_backend, self.gpus)
+               for w in indices}
         for w in indices:
             if w < len(self.workers):
-                self.workers[w] = new[w]
+                self.workers[w], self.groups[w] = new[w], groups[w]
             else:
                 self.workers.append(new[w])
+                self.groups.append(groups[w])
                 self.pids.append(0)
         startup_s = max(self.timeout_s, STARTUP_TIMEOUT_S)  # importing torch on a loaded machine is slow
         for w in indices:
@@ -277,6 +360,7 @@ class RayEngine(Engine):
             worker = self.workers.pop()
             self.pids.pop()
             ray.kill(worker)
+            _remove_group(self.groups.pop())
         log.info("engine: %d workers (removed %d at version %d)", len(self.workers), n, self._version)
 
     def scheduled_workers(self, version: int) -> int:
@@ -403,7 +487,9 @@ class RayEngine(Engine):
                 ray.kill(w)
             except Exception:
                 pass
-        self.workers = []
+        for g in getattr(self, "groups", []):
+            _remove_group(g)
+        self.workers, self.groups = [], []
         self._weights = None
         if hasattr(self.sync, "close"):
             self.sync.close()
@@ -412,8 +498,32 @@ class RayEngine(Engine):
             self._owns_ray = False
 
 
+def _remove_group(group) -> None:
+    """Remove a placement group (its actors die with it); best effort: None, removed or Ray gone."""
+    if group is None or not ray.is_initialized():
+        return
+    try:
+        remove_placement_group(group)
+    except Exception:
+        pass
+
+
+def _resources(bundle: dict[str, float]) -> str:
+    """The cluster's available and total CPUs, GPUs and custom resources (not memory, nodes,
+    groups), the bundle's own resources always included (0 where the cluster has none)."""
+    def keep(res: dict) -> dict:
+        return {k: round(v, 3) for k, v in res.items()
+                if "memory" not in k and not k.startswith("node:") and "_group_" not in k}
+
+    total, free = keep(ray.cluster_resources()), keep(ray.available_resources())
+    return ", ".join(f"{k} {free.get(k, 0):g} available of {total.get(k, 0):g}" for k in sorted({*total, *bundle}))
+
+
 def _describe(e: Exception) -> str:
     if isinstance(e, ray.exceptions.RayActorError):
+        if getattr(e, "actor_init_failed", False):  # its constructor raised: the last line names the error
+            lines = [ln.strip() for ln in str(getattr(e, "error_msg", e)).splitlines() if ln.strip()]
+            return f"raised while starting: {lines[-1] if lines else type(e).__name__}"
         return f"worker process died ({type(e).__name__})"
     if isinstance(e, ray.exceptions.RayTaskError):
         cause = e.cause if getattr(e, "cause", None) is not None else e
