@@ -448,3 +448,27 @@ def test_workers_share_a_gpu_by_fractions(ray_session, model_cfg, tokenizer):
         make_engine(EngineConfig(backend="ray", num_workers=gpus + 1, gpus_per_worker=1, cpus_per_worker=1,
                                  placement_timeout_s=5), cfg)
     assert time.time() - t < 60
+
+
+def test_manual_resize_stands_until_the_schedule_says_otherwise(ray_session, model_cfg, tokenizer):
+    """add_workers / remove_workers between iterations are kept by the next barriers; an
+    engine.num_workers_schedule entry resizes once, at the first push of its version, and
+    every worker holds each pushed version."""
+    from periodic_async.model import load_policy
+
+    engine = make_engine(EngineConfig(backend="ray", num_workers=1, max_num_seqs=2, timeout_s=60,
+                                      num_workers_schedule={3: 1}), model_cfg)
+    state = load_policy(model_cfg)[0].state_dict()
+    try:
+        engine.add_workers(1)
+        counts = []
+        for version in (1, 2, 3, 4):
+            engine.update_weights(state, version)
+            counts.append(len(engine.workers))
+            assert {i["version"] for i in engine.info()} == {version}
+        assert counts == [2, 2, 1, 1]
+        engine.add_workers(1)
+        engine.update_weights(state, 5)  # the schedule's entry at 3 is not applied again
+        assert len(engine.workers) == 2
+    finally:
+        engine.close()

@@ -19,7 +19,7 @@ from test_pipeline import _by_prompt, _cfg, _final_weights, _max_diff, _rollouts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CUDA = {"model.device": "cuda", "engine.num_workers": 1}  # one worker: one GPU per worker by default
+CUDA = {"model.device": "cuda", "engine.gpus_per_worker": 0.5}  # the two workers share the one GPU
 
 
 def test_async_matches_sync_on_cuda(tokenizer_dir, tmp_path):

@@ -21,7 +21,8 @@ times out is not restarted (re-sending would fail again). The pipeline's loop kn
 
 Elastic engines: `add_workers(n)` / `remove_workers(n)` between iterations; new workers load
 the current version before any request. `engine.num_workers_schedule` ({version: workers})
-applies them at the barrier that pushes that version. Dispatch is by request, and a
+applies them at the barrier that pushes that version (once; a manual resize stands until the
+next entry comes due). Dispatch is by request, and a
 request's tokens do not depend on the worker, so resizing does not change what is sampled.
 
 Weights: `ObjectStoreSync` puts one dict of numpy arrays in the object store (numpy is read
@@ -152,8 +153,10 @@ class EngineWorker:
         self._aborted = -1
 
     def info(self) -> dict:
+        """pid, version, threads, device, and the Ray node the worker runs on (node_id, node_ip)."""
         return dict(pid=os.getpid(), version=self.batcher.version, threads=torch.get_num_threads(),
-                    device=str(self.batcher.device))
+                    device=str(self.batcher.device), node_id=ray.get_runtime_context().get_node_id(),
+                    node_ip=ray.util.get_node_ip_address())
 
     def generate(self, requests: list[Request], call: int):
         with self._lock:
@@ -209,6 +212,7 @@ class RayEngine(Engine):
         self.restarts: list[dict] = []
         """One record per restarted worker: worker, old_pid, new_pid, version, resent (request ids), reason."""
         self._schedule = dict(sorted(engine_cfg.num_workers_schedule.items()))
+        self._scheduled_through = -1  # schedule entries up to this version have been applied
         gpus = engine_cfg.gpus_per_worker
         if gpus is None:
             gpus = 1 if model_cfg.device.startswith("cuda") or (
@@ -247,7 +251,7 @@ class RayEngine(Engine):
         return self._version
 
     def info(self) -> list[dict]:
-        """pid, version, threads and device of every worker."""
+        """pid, version, threads, device and Ray node (node_id, node_ip) of every worker."""
         return ray.get([w.info.remote() for w in self.workers], timeout=self.timeout_s)
 
     def stats(self) -> dict[str, float]:
@@ -364,8 +368,11 @@ class RayEngine(Engine):
         log.info("engine: %d workers (removed %d at version %d)", len(self.workers), n, self._version)
 
     def scheduled_workers(self, version: int) -> int:
-        """Workers `engine.num_workers_schedule` asks for from `version` on."""
-        return ([n for v, n in self._schedule.items() if v <= version] or [self.cfg.num_workers])[-1]
+        """Workers for `version`: the last `engine.num_workers_schedule` entry that comes due with
+        it (an entry at v is due at the first push of a version >= v), else today's count, so
+        a resize by `add_workers` / `remove_workers` stands until the schedule says otherwise."""
+        due = [n for v, n in self._schedule.items() if self._scheduled_through < v <= version]
+        return due[-1] if due else len(self.workers)
 
     # --- generation ----------------------------------------------------------------------
 
@@ -462,6 +469,7 @@ class RayEngine(Engine):
         handle = self.sync.publish(state_dict, version)
         t_pub = time.perf_counter()
         target = self.scheduled_workers(version)
+        self._scheduled_through = version
         if target < len(self.workers):
             self.remove_workers(len(self.workers) - target)
         refs = [w.update_weights.remote(handle, version) for w in self.workers]
