@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks, on one CUDA device, in under 5 minutes:
 #   bash scripts/gpu_check.sh RESULTS_DIR
-# 1. the GPU tests: `pytest -m gpu` (FlexAttention back-end) and the CUDA-only tests that skip
-#    on CPU machines (the vLLM adapter when vLLM is installed, the CUDA engine path, collective
-#    weight sync / NCCL trainer ranks where the tests exist);
-# 2. a short periodic-async run on CUDA (random qwen2-1m, 3 iterations, engines as Ray actors
-#    on the same GPU as the trainer);
+# 1. the GPU tests: `pytest -m gpu` (tests/test_gpu.py: periodic-async = sync-separated on CUDA,
+#    a CUDA run = the CPU run, collective sync with nccl; FlexAttention; fractional GPU workers;
+#    vLLM in Ray workers when vLLM is installed), then the CUDA engine / shared-prompt tests and
+#    the collective-sync tests;
+# 2. a short periodic-async run on CUDA in bf16 (random qwen2-1m, 3 iterations, the engine as a
+#    Ray actor on the same GPU as the trainer);
 # 3. nvidia-smi, torch/CUDA versions, the git commit.
 # Everything goes to RESULTS_DIR (logs, junit XML, the run's metrics.jsonl and summary.json);
 # the exit status is non-zero if any step failed. With no CUDA device it stops at once, with a
