@@ -105,7 +105,9 @@ def init_ray(engine_cfg) -> bool:
 
         multi_node, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
         try:
-            ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+            # address="local": a new local instance even when a `ray start` cluster runs on this
+            # machine (ray.init() would join that one, and refuse num_cpus).
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
                      _node_ip_address="127.0.0.1", **common)
         finally:
             ray_constants.ENABLE_RAY_CLUSTER = multi_node
