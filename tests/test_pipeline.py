@@ -273,6 +273,10 @@ def test_devices_count_trainer_ranks_and_engine_workers_in_use(tokenizer_dir, tm
     assert devices_in_use(colocated, 4, 0) == 4 * 3 and devices_in_use(colocated, 1, 2) == 3 * 2
     local = _cfg(tmp_path, tokenizer_dir, "periodic-async", **{"engine.backend": "local", "trainer.threads": 3})
     assert devices_in_use(local, 2, 0) == 2 * 3
+    on_gpus = _cfg(tmp_path, tokenizer_dir, "periodic-async", **sizes, **{"model.device": "cuda"})
+    assert devices_in_use(on_gpus, 2, 2) == 3 + 2  # one GPU per worker and per rank, whatever the threads
+    halves = _cfg(tmp_path, tokenizer_dir, "periodic-async", **{"model.device": "cuda", "engine.gpus_per_worker": 0.5})
+    assert devices_in_use(halves, 1, 0) == 2 * 0.5 + 1
 
     rows = [{"tokens/trained": 100, "time/iteration_s": t, "throughput/devices": d, "time/generate_s": 0.5,
              "time/train_s": 0.5, "reward/mean": 0.0, "accuracy": 0.0} for t, d in ((1.0, 7), (1.0, 9), (2.0, 5))]

@@ -54,30 +54,35 @@ from periodic_async.data import few_shot_examples, fit_to_context, load_examples
 from periodic_async.distributed import follow, init_ranks
 from periodic_async.engine import Engine, make_engine
 from periodic_async.group import Group
-from periodic_async.model import load_policy
+from periodic_async.model import load_policy, resolve_device
 from periodic_async.modes import make_mode
 from periodic_async.producer import Producer
 from periodic_async.reward import make_reward
 from periodic_async.trace import MetricsLogger, Tracer
 
 
-def devices_in_use(cfg: RunConfig, trainer_ranks: int = 1, version: int = 0) -> int:
+def devices_in_use(cfg: RunConfig, trainer_ranks: int = 1, version: int = 0) -> float:
     """The devices the run holds while its engines serve `version` (the definition behind
     throughput/tokens_per_s_per_device, throughput/devices and the summary's devices):
 
-        trainer   trainer_ranks (torchrun's world size) x trainer.threads
+        trainer   trainer_ranks (torchrun's world size) x the devices of one rank
         engines   the workers serving `version` (engine.num_workers_schedule: the count of its
-                  largest key <= version; else engine.num_workers) x engine.threads_per_worker;
-                  none with engine.backend=local (in the trainer's process, on its threads)
+                  largest key <= version; else engine.num_workers) x the devices of one worker;
+                  none with engine.backend=local (in the trainer's process, on its devices)
         devices   trainer + engines in the separated modes; max(trainer, engines) in
                   sync-colocated, where the two take turns on the same devices
 
-    On CPU a device is a core; on accelerators set trainer.threads and engine.threads_per_worker
-    to the devices one rank and one worker use (e.g. 1 and the tensor-parallel size)."""
+    On CPU a device is a core: trainer.threads per rank, engine.threads_per_worker per worker.
+    On an accelerator (model.device cuda or npu) a device is one GPU/NPU: one per rank,
+    engine.gpus_per_worker (default 1) per worker."""
     schedule = sorted(cfg.engine.num_workers_schedule.items())
     workers = ([n for v, n in schedule if v <= version] or [cfg.engine.num_workers])[-1]
-    engines = workers * cfg.engine.threads_per_worker if cfg.engine.backend != "local" else 0
-    trainer = trainer_ranks * cfg.trainer.threads
+    if resolve_device(cfg.model.device).type == "cpu":
+        per_rank, per_worker = cfg.trainer.threads, cfg.engine.threads_per_worker
+    else:
+        per_rank, per_worker = 1, 1 if cfg.engine.gpus_per_worker is None else cfg.engine.gpus_per_worker
+    engines = workers * per_worker if cfg.engine.backend != "local" else 0
+    trainer = trainer_ranks * per_rank
     if cfg.pipeline.mode == "sync-colocated":
         return max(trainer, engines)
     return engines + trainer
