@@ -36,6 +36,14 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
                       "independent); "
                       "`max_abs_diff_vs_sync`: the largest per-iteration gap to sync-separated in training "
                       "reward or held-out accuracy (curves: figures/reward_curves.png)."),
+    "reward_curves_seed1": ("reward_curves_seed1/reward_curves_summary.csv",
+                            "experiments/reward_curves.sh data.seed=1 --results results/reward_curves_seed1 "
+                            "--figures figures/reward_curves_seed1",
+                            "A second seed: the same runs with data.seed=1 (other training problems, other "
+                            "sampling seeds, another draw of 500 held-out problems).",
+                            ["mode", "eval_accuracy_start", "eval_accuracy_end", "eval_stderr", "gain",
+                             "gain_stderr_paired", "max_abs_diff_vs_sync", "max_abs_diff_reward",
+                             "max_abs_diff_eval", "tokens_identical_iterations"]),
     "shared_prompt": ("shared_prompt.csv", "experiments/shared_prompt_ablation.sh",
                       "Shared-prompt vs per-response packing, forward+backward tokens/s; goal efficiency >= 0.85."),
     "engine": ("engine.csv", "experiments/engine_throughput.sh",
