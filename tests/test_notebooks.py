@@ -56,8 +56,8 @@ def test_notebooks_execute(executed):
 
 def test_every_figure_has_a_notebook_that_writes_it(executed):
     scratch, _ = executed
-    committed = {p.name for p in (ROOT / "figures").glob("*.png")}
-    redrawn = {p.name for p in (scratch / "figures").glob("*.png")}
+    committed = {str(p.relative_to(ROOT / "figures")) for p in (ROOT / "figures").rglob("*.png")}
+    redrawn = {str(p.relative_to(scratch / "figures")) for p in (scratch / "figures").rglob("*.png")}
     assert committed <= redrawn, f"figures no notebook redraws: {sorted(committed - redrawn)}"
 
 
