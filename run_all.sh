@@ -12,6 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
+# A smoke run never overwrites the committed results: QUICK=1 writes to results/tmp/quick by default.
+if [ "${QUICK:-0}" != 0 ]; then export RESULTS_DIR="${RESULTS_DIR:-results/tmp/quick}"; fi
 export RESULTS_DIR="${RESULTS_DIR:-results}"
 # Figures go beside redirected results, so a smoke run never overwrites the committed ones.
 if [ "$RESULTS_DIR" = results ]; then export FIGURES_DIR=figures; else export FIGURES_DIR="$RESULTS_DIR/figures"; fi
