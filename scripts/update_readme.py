@@ -145,6 +145,18 @@ def _reward_curves(rows):
     return out
 
 
+def _second_seed(rows):
+    sync = next(r for r in rows if r["mode"] == "sync-separated")
+    gaps = ", ".join(f"{r['mode']} {float(r['max_abs_diff_vs_sync']):.3g}" for r in rows if r["mode"] != "sync-separated")
+    return (f"; second seed (`results/reward_curves_seed1/`): sync-separated {float(sync['eval_accuracy_start']):.3f} → "
+            f"{float(sync['eval_accuracy_end']):.3f} ({100 * float(sync['gain']):+.1f} ± "
+            f"{100 * float(sync['gain_stderr_paired']):.1f} points), largest gap to sync {gaps}")
+
+
+SECOND_SEED = {"reward_curves_summary.csv": ("reward_curves_seed1/reward_curves_summary.csv", _second_seed)}
+"""Claims whose value also reports another seed's run: main csv -> (that run's csv, its summary)."""
+
+
 def _equivalence(rows):
     eq = [r for r in rows if r["case"] == "equivalent"]
     ctl = [r for r in rows if r["case"] != "equivalent"]
@@ -236,6 +248,8 @@ def claims_table(results: Path) -> str:
         else:
             try:
                 value = ours(rows)
+                if file in SECOND_SEED and _rows(results, SECOND_SEED[file][0]):
+                    value += SECOND_SEED[file][1](_rows(results, SECOND_SEED[file][0]))
             except (KeyError, StopIteration, ValueError, ZeroDivisionError, IndexError) as e:
                 value = f"see `{results / file}` (cannot summarise: {type(e).__name__} {e})"
         lines.append(f"| {claim} | {paper} | {value} | {f'`{command}`' if command != '-' else '-'} |")
