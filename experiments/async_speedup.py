@@ -26,11 +26,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from periodic_async.bench import SharedEngines, System, measure, write_csv
+from periodic_async.bench.protocol import SharedEngines, System, measure, write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.pipeline import run
-from periodic_async.plots import plot_async_speedup, plot_timeline
+from periodic_async.bench.plots import plot_async_speedup, plot_timeline
 
 HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async", "sync-colocated"]

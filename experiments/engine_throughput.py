@@ -35,11 +35,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from periodic_async.bench import System, measure, write_csv  # noqa: E402
+from periodic_async.bench.protocol import System, measure, write_csv  # noqa: E402
 from periodic_async.config import DataConfig, EngineConfig, ModelConfig, git_commit  # noqa: E402
 from periodic_async.data import make_synthetic, prompt_messages  # noqa: E402
 from periodic_async.engine import Request, SamplingParams, assign_workers  # noqa: E402
-from periodic_async.tokenizer import encode_chat, ensure_tokenizer  # noqa: E402
+from periodic_async.data.prompts import encode_chat  # noqa: E402
+from periodic_async.data.tokenizer import ensure_tokenizer  # noqa: E402
 
 
 def make_requests(tokenizer, n_prompts: int, group: int, dist: str, uniform_tokens: int, seed: int) -> list[Request]:

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from periodic_async.config import RunConfig, load_config
-from periodic_async.plots import plot_equivalence
+from periodic_async.bench.plots import plot_equivalence
 from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent

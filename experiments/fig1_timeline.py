@@ -24,7 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from periodic_async.plots import plot_timeline, request_number
+from periodic_async.bench.plots import plot_timeline, request_number
 from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent

@@ -61,7 +61,7 @@ from pathlib import Path
 from periodic_async.config import ConfigError, PipelineConfig, RunConfig, load_config
 from periodic_async.model import PRESETS
 from periodic_async.pipeline import run
-from periodic_async.plots import plot_reward_curves
+from periodic_async.bench.plots import plot_reward_curves
 from periodic_async.trace import read_jsonl
 
 HERE = Path(__file__).resolve().parent

@@ -9,15 +9,15 @@ predictions (labelled simulated) for 16-64 accelerators.
    row): sync-separated and periodic-async with 1 and 2 engine workers (engine.num_workers). On this 2-core machine periodic-async with 2 engine
    workers runs 3 busy workers on 2 cores: it measures oversubscription, not scale-out, and
    the simulator models it as such (processor sharing). With --trainer-ranks also sync-separated
-   with 1 and 2 torchrun trainer ranks (periodic_async.distributed; each run a subprocess with
+   with 1 and 2 torchrun trainer ranks (periodic_async.parallel.distributed; each run a subprocess with
    its own engine; speedup_vs_1 compares r2 with r1).
-2. The simulator (periodic_async.simulate) is calibrated on every measured run
-   (periodic_async.calibrate.fit_costs) and re-simulates each run's iterations from their own
+2. The simulator (periodic_async.scale.simulate) is calibrated on every measured run
+   (periodic_async.scale.calibrate.fit_costs) and re-simulates each run's iterations from their own
    response lengths: relative error of the median iteration time per system, in-sample and
    leave-one-system-out (calibrated without that system's runs).
 3. Predictions, simulated from experiments/device_costs.example.yaml (illustrative
    assumptions, not measurements): a 32B dense model, B=512 x G=16, 16 to 64 devices; per
-   mode every inference/training split (periodic_async.plan), the best one marked.
+   mode every inference/training split (periodic_async.scale.plan), the best one marked.
 
 Writes <results>/scaling_measured.csv, <results>/scaling_simulated.csv (every row kind=simulated)
 and <figures>/scaling.png.
@@ -34,13 +34,13 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from periodic_async.bench import SharedEngines, System, measure, settings_dict, write_csv
-from periodic_async.calibrate import MeasuredRun, fit_costs, load_run, simulate_measured
+from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict, write_csv
+from periodic_async.scale.calibrate import MeasuredRun, fit_costs, load_run, simulate_measured
 from periodic_async.config import RunConfig, load_config
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.pipeline import run
-from periodic_async.plan import DEFAULT_COSTS, plan
-from periodic_async.plots import plot_scaling
+from periodic_async.scale.plan import DEFAULT_COSTS, plan
+from periodic_async.bench.plots import plot_scaling
 
 HERE = Path(__file__).resolve().parent
 SYSTEMS = {  # name -> overrides over scaling.yaml

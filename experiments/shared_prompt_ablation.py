@@ -181,7 +181,7 @@ def main(argv=None) -> None:
     from periodic_async.config import ModelConfig
     from periodic_async.model import build_model, resolve_device
     from periodic_async.trace import log_experiment
-    from periodic_async.tokenizer import ensure_tokenizer
+    from periodic_async.data.tokenizer import ensure_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny grid (< 1 min)")

@@ -36,15 +36,16 @@ from pathlib import Path
 
 import yaml
 
-from periodic_async.bench import SharedEngines, System, flatten, measure, settings_dict, write_csv
+from periodic_async.bench.protocol import SharedEngines, System, flatten, measure, settings_dict, write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.data import few_shot_examples, iteration_prompts, load_examples, prompt_messages
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.model import PRESETS
 from periodic_async.pipeline import run
-from periodic_async.plots import plot_table2
+from periodic_async.bench.plots import plot_table2
 from periodic_async.reward import combined_reward, load_reward_fn
-from periodic_async.tokenizer import encode_chat, ensure_tokenizer
+from periodic_async.data.prompts import encode_chat
+from periodic_async.data.tokenizer import ensure_tokenizer
 
 HERE = Path(__file__).resolve().parent
 IGNORE = ("trainer.output_dir", "logging.")  # not settings of the measured system
@@ -188,7 +189,7 @@ def pipeline_system(plan, setting, mode, shared, extra, runs: Path, engines: Sha
 
 
 def trl_system(plan, setting, extra, runs: Path, model_dir_of) -> System:
-    from periodic_async.tokenizer import load_tokenizer
+    from periodic_async.data.tokenizer import load_tokenizer
 
     cfg = run_config(plan, setting, extra)
     out = runs / setting / "trl-grpo"
@@ -208,7 +209,7 @@ def trl_system(plan, setting, extra, runs: Path, model_dir_of) -> System:
 
 
 def mean_prompt_tokens(cfg: RunConfig) -> float:
-    from periodic_async.tokenizer import load_tokenizer
+    from periodic_async.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.model.tokenizer)
     examples, shots = load_examples(cfg.data, "train"), few_shot_examples(cfg.data)

@@ -34,7 +34,7 @@ from periodic_async.config import AlgorithmConfig, ModelConfig, git_commit
 from periodic_async.group import Group
 from periodic_async.model import build_model, num_parameters
 from periodic_async.shared_prompt import token_logprobs
-from periodic_async.tokenizer import ensure_tokenizer
+from periodic_async.data.tokenizer import ensure_tokenizer
 from periodic_async.trace import log_experiment
 from periodic_async.trimodel import TriModel
 

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
-    from periodic_async.tokenizer import build_tokenizer
+    from periodic_async.data.tokenizer import build_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(path)
@@ -23,7 +23,7 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_dir):
-    from periodic_async.tokenizer import load_tokenizer
+    from periodic_async.data.tokenizer import load_tokenizer
 
     return load_tokenizer(tokenizer_dir)
 

@@ -231,7 +231,7 @@ def test_after_failure_on_trainer_ranks(parallel, tokenizer_dir, tmp_path, capsy
     """After a failure rank 0 saves on its own: under ddp it holds the whole state and writes it
     with no collective (here there is no process group at all); under fsdp the state is sharded
     and the other ranks may never join a gather, so nothing is written and it says so."""
-    from periodic_async.distributed import Ranks
+    from periodic_async.parallel.distributed import Ranks
 
     cfg = _cfg(tmp_path, tokenizer_dir)
     policy, tokenizer = load_policy(cfg.model)

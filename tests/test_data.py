@@ -232,7 +232,7 @@ def test_prompt_longer_than_context(tmp_path, tokenizer_dir, tokenizer, capsys):
     from periodic_async.config import RunConfig, load_config
     from periodic_async.data import DataError, fit_to_context
     from periodic_async.pipeline import run
-    from periodic_async.tokenizer import encode_chat
+    from periodic_async.data.prompts import encode_chat
 
     long_q = "Ava has 3 apples and " * 40 + "how many?"
     src = _jsonl(tmp_path / "q.jsonl", [json.dumps({"question": q, "answer": "#### 1"})

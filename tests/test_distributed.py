@@ -25,7 +25,7 @@ from periodic_async.config import RunConfig, load_config
 from periodic_async.consumer import Consumer
 from periodic_async.group import Group
 from periodic_async.model import build_model
-from periodic_async.tokenizer import load_tokenizer
+from periodic_async.data.tokenizer import load_tokenizer
 
 B, G = 4, 3
 PLAN = [  # which groups each rank trains, in its order, per iteration
@@ -83,7 +83,7 @@ def _spawn(fn, args: tuple, world: int = 2, timeout_s: float = 600.0) -> None:
 
 
 def _train_ranks(rank: int, world: int, port: int, tokenizer_dir: str, parallel: str, out: str) -> None:
-    from periodic_async.distributed import init_ranks
+    from periodic_async.parallel.distributed import init_ranks
 
     _join_ranks(rank, world, port)
     cfg = _cfg(tokenizer_dir, parallel)
@@ -130,7 +130,7 @@ def test_data_parallel_matches_single_process(tokenizer_dir, tmp_path, parallel)
 def _fsdp_layout(rank: int, world: int, port: int, tokenizer_dir: str, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from periodic_async.distributed import init_ranks
+    from periodic_async.parallel.distributed import init_ranks
 
     _join_ranks(rank, world, port)
     cfg = _cfg(tokenizer_dir, "fsdp")

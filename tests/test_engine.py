@@ -24,7 +24,7 @@ from periodic_async.engine import EngineError, Request, SamplingParams, make_eng
 from periodic_async.engine.base import numpy_to_state, state_to_numpy  # noqa: E402
 from periodic_async.engine.batcher import sample_next  # noqa: E402
 from periodic_async.model import load_policy  # noqa: E402
-from periodic_async.tokenizer import ensure_tokenizer  # noqa: E402
+from periodic_async.data.tokenizer import ensure_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ import torch
 from periodic_async.config import DataConfig, ModelConfig
 from periodic_async.data import make_synthetic, prompt_messages
 from periodic_async.model import PRESETS, build_model, load_policy, num_parameters, resolve_device
-from periodic_async.tokenizer import encode_chat, load_tokenizer
+from periodic_async.data.prompts import encode_chat
+from periodic_async.data.tokenizer import load_tokenizer
 
 EXPECTED_MILLIONS = {"qwen2-micro": (0.02, 0.05), "qwen2-1m": (0.5, 1.5), "qwen2-5m": (3.5, 6.5), "qwen3-25m": (18, 30)}
 

@@ -161,7 +161,7 @@ def test_colocated_mode_samples_the_same_tokens(engine, tokenizer_dir, tmp_path)
 
 
 def test_trace_records_every_phase_and_draws_the_timeline(engine, tokenizer_dir, tmp_path):
-    from periodic_async.plots import plot_timeline
+    from periodic_async.bench.plots import plot_timeline
 
     cfg = _cfg(tmp_path, tokenizer_dir, "periodic-async", **{"trainer.iterations": 2})
     run(cfg, engine=engine)

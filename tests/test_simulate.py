@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from periodic_async.calibrate import (MeasuredIteration, MeasuredRun, device_costs, fit_costs, load_device_file,
+from periodic_async.scale.calibrate import (MeasuredIteration, MeasuredRun, device_costs, fit_costs, load_device_file,
                                       load_run, nnls, simulate_measured)
-from periodic_async.simulate import (Costs, Deployment, MicroBatches, Workload, engine_chunks,
+from periodic_async.scale.simulate import (Costs, Deployment, MicroBatches, Workload, engine_chunks,
                                      simulate_iteration)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
     python -m periodic_async train --config experiments/async_speedup.yaml pipeline.mode=sync-separated
     python -m periodic_async sft --config experiments/sft.yaml
     python -m periodic_async eval --config experiments/sft.yaml model.name_or_path=runs/x/checkpoint
-    python -m periodic_async plan --model-params 32e9 --devices 64 --batch 512 --group 16   (simulated; plan.py)
+    python -m periodic_async plan --model-params 32e9 --devices 64 --batch 512 --group 16   (simulated; scale/plan.py)
 
 A mistake in what the user gave (config, data, reward code, a missing path: `UserError` or
 FileNotFoundError) prints one line to stderr and exits non-zero (2 for config errors, 1
@@ -20,8 +20,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["plan"]:  # the device-split planner has its own options (periodic_async/plan.py)
-        from periodic_async.plan import main as plan
+    if argv[:1] == ["plan"]:  # the device-split planner has its own options (periodic_async/scale/plan.py)
+        from periodic_async.scale.plan import main as plan
 
         plan(argv[1:])
         return

@@ -30,7 +30,7 @@ from periodic_async import grpo, interrupt
 from periodic_async.batching import MicroBatcher
 from periodic_async.batching import split_groups
 from periodic_async.config import RunConfig
-from periodic_async.distributed import Ranks
+from periodic_async.parallel.distributed import Ranks
 from periodic_async.group import Group
 from periodic_async.model import resolve_dtype
 from periodic_async.trace import Tracer

@@ -11,8 +11,8 @@ from typing import Sequence
 import torch
 
 from periodic_async.data import Example, prompt_messages
-from periodic_async.reward import correctness_reward
-from periodic_async.tokenizer import encode_chat
+from periodic_async.reward.functions import correctness_reward
+from periodic_async.data.prompts import encode_chat
 
 
 @torch.no_grad()

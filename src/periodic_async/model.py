@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from periodic_async.config import ModelConfig
+from periodic_async.data.tokenizer import ensure_tokenizer, load_tokenizer
 
 PRESETS: dict[str, dict] = {
     "qwen2-micro": dict(model_type="qwen2", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -101,7 +102,6 @@ def norms_in_input_dtype(model: torch.nn.Module) -> torch.nn.Module:
 
 def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Tokenizer and model of `cfg`. A model directory without `cfg.tokenizer` uses its own tokenizer."""
-    from periodic_async.tokenizer import ensure_tokenizer, load_tokenizer
 
     model_dir = Path(cfg.name_or_path)
     if model_dir.is_dir() and (model_dir / "tokenizer_config.json").is_file():

@@ -51,11 +51,11 @@ from periodic_async import checkpoint
 from periodic_async.config import RunConfig, save_run_info
 from periodic_async.consumer import Consumer
 from periodic_async.data import few_shot_examples, fit_to_context, load_examples
-from periodic_async.distributed import follow, init_ranks
 from periodic_async.engine import Engine, make_engine
 from periodic_async.group import Group
 from periodic_async.model import load_policy, resolve_device
 from periodic_async.modes import make_mode
+from periodic_async.parallel.distributed import Ranks, init_ranks
 from periodic_async.producer import Producer
 from periodic_async.reward import make_reward
 from periodic_async.trace import MetricsLogger, Tracer
@@ -309,3 +309,29 @@ def _summary(cfg: RunConfig, history: list[dict]) -> dict:
         "reward_first": history[0]["reward/mean"], "reward_last": history[-1]["reward/mean"],
         "accuracy_first": history[0]["accuracy"], "accuracy_last": history[-1]["accuracy"],
     }
+
+
+def follow(cfg: RunConfig, ranks: Ranks) -> dict:
+    """The loop of ranks > 0: no engines, producer or books; the same collectives as rank 0's
+    `pipeline.run`, in the same order (resume, start, barrier weights, one reduction per
+    iteration, checkpoints)."""
+    torch.set_num_threads(cfg.trainer.threads)
+    torch.manual_seed(cfg.model.seed)
+    policy, _ = load_policy(cfg.model)
+    consumer = Consumer(policy, cfg, ranks=ranks)
+    taken = []
+    try:
+        checkpoint.resume(cfg, consumer)  # rank 0's checkpoint (if it resumes), loaded together
+        start = ranks.start(consumer, consumer.version)
+        checkpoints = checkpoint.Checkpoints(cfg, policy, None, consumer)  # saves: rank 0 writes
+        consumer.engine_state_dict()  # rank 0's first barrier (a gather under fsdp)
+        for iteration in range(start, cfg.trainer.iterations):
+            claims = ranks.claims(iteration)
+            consumer.train_iteration(claims, iteration, claims.version)
+            consumer.engine_state_dict()  # the barrier
+            taken.append(claims.taken)
+            checkpoints.every(consumer.version)
+        checkpoints.save(consumer.version)
+    finally:
+        ranks.close()
+    return {"rank": ranks.rank, "first_iteration": start, "groups_trained": taken}

@@ -37,7 +37,7 @@ from periodic_async.data import Example, iteration_prompts, prompt_messages
 from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
 from periodic_async.group import Group
 from periodic_async.reward import RewardError, correctness_reward
-from periodic_async.tokenizer import encode_chat
+from periodic_async.data.prompts import encode_chat
 from periodic_async.trace import Tracer
 
 

@@ -24,7 +24,7 @@ from periodic_async.config import SFTRunConfig, load_config, save_run_info
 from periodic_async.data import few_shot_examples, load_examples, prompt_messages
 from periodic_async.evaluate import evaluate
 from periodic_async.model import load_policy, num_parameters
-from periodic_async.tokenizer import encode_chat
+from periodic_async.data.prompts import encode_chat
 from periodic_async.trace import MetricsLogger
 
 

@@ -43,6 +43,8 @@ import torch.distributed as dist
 
 from periodic_async.config import ConfigError
 from periodic_async.engine.base import WeightSync
+from periodic_async.model import resolve_device
+from periodic_async.parallel.distributed import backend_for
 
 ALIGN = 64
 """Byte alignment of every tensor inside a bucket (a view of any dtype starts aligned)."""
@@ -185,9 +187,6 @@ class CollectiveSync(WeightSync):
 
     @classmethod
     def from_config(cls, engine_cfg, model_cfg) -> "CollectiveSync":
-        from periodic_async.distributed import backend_for
-        from periodic_async.model import resolve_device
-
         device = resolve_device(model_cfg.device)
         host = None if engine_cfg.ray_address else "127.0.0.1"  # a local Ray cluster stays on the loopback
         return cls(backend_for(device), device, engine_cfg.weight_sync_bucket_mb * 2**20, engine_cfg.timeout_s, host)

@@ -7,15 +7,20 @@ template, eos/pad ids, decode) uses the same API as a real model's tokenizer. Di
 always single tokens so that arithmetic stays learnable for a tiny model; the vocabulary
 is kept small (sampling over a large vocabulary dominates a CPU decode step).
 
-    python -m periodic_async.tokenizer artifacts/tokenizer
+    python -m periodic_async.data.tokenizer artifacts/tokenizer
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from periodic_async.config import DataConfig
+from periodic_async.data.prompts import INSTRUCTION
+from periodic_async.data.tasks import make_synthetic
 
 PAD, EOS, USER, ASSISTANT = "<|pad|>", "<|endoftext|>", "<|user|>", "<|assistant|>"
 
@@ -32,8 +37,6 @@ CHAT_TEMPLATE = (
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizerFast:
     """Train a BPE tokenizer on synthetic task text (+ ASCII) and save it to `out_dir`."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    from periodic_async.data import synthetic_corpus
 
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.normalizer = normalizers.NFKC()
@@ -61,12 +64,19 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0) -
     return load_tokenizer(out)
 
 
+def synthetic_corpus(seed: int = 0, n: int = 3000) -> Iterator[str]:
+    """Text the tokenizer tokenizer is trained on: problems, solutions and the instruction."""
+    cfg = DataConfig(min_steps=1, max_steps=4, max_operand=99)
+    for ex in make_synthetic(n, cfg, seed):
+        yield f"{ex.question}\n{INSTRUCTION}\n{ex.solution}"
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """Load a tokenizer directory (ours or any HF model's) and check it can serve RL."""
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"tokenizer directory {str(p)!r} does not exist "
-                                f"(build one with `python -m periodic_async.tokenizer {p}`)")
+                                f"(build one with `python -m periodic_async.data.tokenizer {p}`)")
     tok = AutoTokenizer.from_pretrained(str(p))
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at {str(p)!r} has no eos token")
@@ -83,12 +93,6 @@ def ensure_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     if not (p / "tokenizer_config.json").is_file():
         build_tokenizer(p)
     return load_tokenizer(p)
-
-
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` through the chat template, ending with the generation prompt."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 if __name__ == "__main__":

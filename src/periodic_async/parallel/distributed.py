@@ -69,6 +69,7 @@ import torch
 import torch.distributed as dist
 
 from periodic_async.group import Group
+from periodic_async.model import resolve_device
 
 BUCKET_BYTES = 32 << 20
 """Gradients are all-reduced in flat buffers of at most this many bytes (one per dtype run)."""
@@ -295,7 +296,6 @@ def init_ranks(cfg) -> Ranks:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Ranks()
-    from periodic_async.model import resolve_device
 
     if cfg.algorithm.optimizer_steps_per_iteration != 1:
         raise ValueError(f"algorithm.optimizer_steps_per_iteration={cfg.algorithm.optimizer_steps_per_iteration}: "
@@ -419,35 +419,6 @@ class _HandOut(_Claims):
             raise self._error
         return self.source.received
 
-
-def follow(cfg, ranks: Ranks) -> dict:
-    """The loop of ranks > 0: no engines, producer or books; the same collectives as rank 0's
-    `pipeline.run`, in the same order (resume, start, barrier weights, one reduction per
-    iteration, checkpoints)."""
-    from periodic_async import checkpoint
-    from periodic_async.consumer import Consumer
-    from periodic_async.model import load_policy
-
-    torch.set_num_threads(cfg.trainer.threads)
-    torch.manual_seed(cfg.model.seed)
-    policy, _ = load_policy(cfg.model)
-    consumer = Consumer(policy, cfg, ranks=ranks)
-    taken = []
-    try:
-        checkpoint.resume(cfg, consumer)  # rank 0's checkpoint (if it resumes), loaded together
-        start = ranks.start(consumer, consumer.version)
-        checkpoints = checkpoint.Checkpoints(cfg, policy, None, consumer)  # saves: rank 0 writes
-        consumer.engine_state_dict()  # rank 0's first barrier (a gather under fsdp)
-        for iteration in range(start, cfg.trainer.iterations):
-            claims = ranks.claims(iteration)
-            consumer.train_iteration(claims, iteration, claims.version)
-            consumer.engine_state_dict()  # the barrier
-            taken.append(claims.taken)
-            checkpoints.every(consumer.version)
-        checkpoints.save(consumer.version)
-    finally:
-        ranks.close()
-    return {"rank": ranks.rank, "first_iteration": start, "groups_trained": taken}
 
 
 def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

@@ -53,7 +53,7 @@ from typing import Sequence
 import numpy as np
 import yaml
 
-from periodic_async.simulate import (Costs, Deployment, IterationResult, MicroBatches, Workload, engine_chunks,
+from periodic_async.scale.simulate import (Costs, Deployment, IterationResult, MicroBatches, Workload, engine_chunks,
                                      simulate_iteration)
 
 SYNC_MODES = ("sync-separated", "sync-colocated")

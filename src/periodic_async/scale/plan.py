@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from periodic_async.calibrate import DeviceCosts, colocate_switch_s, device_costs, load_device_file
-from periodic_async.simulate import MODES, Deployment, LengthDist, Workload, run_tokens_per_s, simulate_run
+from periodic_async.scale.calibrate import DeviceCosts, colocate_switch_s, device_costs, load_device_file
+from periodic_async.scale.simulate import MODES, Deployment, LengthDist, Workload, run_tokens_per_s, simulate_run
 
 DEFAULT_COSTS = Path(__file__).resolve().parents[2] / "experiments" / "device_costs.example.yaml"
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> list[PlanPoint]:
     if not points:
         print("no deployment fits: the model needs at least one engine and D0 trainer devices")
     if a.csv:
-        from periodic_async.bench import write_csv
+        from periodic_async.bench.protocol import write_csv
 
         write_csv(a.csv, [asdict(p) for p in points])
     return points

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from periodic_async.config import git_commit
+from periodic_async.pipeline import build_engine
 
 
 @dataclass
@@ -202,7 +203,6 @@ class SharedEngines:
         self.cache: dict[str, Any] = {}
 
     def get(self, cfg):
-        from periodic_async.pipeline import build_engine
 
         key = repr((cfg.engine, cfg.model))
         if key not in self.cache:

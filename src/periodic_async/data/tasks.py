@@ -1,16 +1,15 @@
 """Datasets of math problems with exact answers: GSM8K / MATH (DeepScaleR) / AIME loaders and a
 built-in synthetic task sized for a tiny model on a CPU.
 
-Every source becomes a list of `Example(question, answer, solution)`; `prompt_messages` is
-the single prompt template of the project (what the reward parses: a final '#### N').
+Every source becomes a list of `Example(question, answer, solution)`; prompts.py turns one
+into the chat messages the engines see.
 The synthetic task is GSM8K-like arithmetic word problems, generated deterministically
 from a seed, with a difficulty knob (steps, operand size) and an optional few-shot prefix
 that gives the long prompts of the paper's shared-prompt setting.
 
 Bad input fails clearly, as a `DataError`: a malformed line, a missing or mistyped field
 names the file and its 1-based line (JSONL) or row (JSON list, parquet, dataset split); an
-empty source names the source; a prompt that leaves no room for the response in the model's
-context names the example and the numbers (`fit_to_context`, checked once at start-up).
+empty source names the source.
 Data files are only parsed (JSON, parquet, `datasets`), never executed.
 """
 
@@ -23,12 +22,9 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from periodic_async.config import DataConfig, UserError
-from periodic_async.reward import last_boxed
-
-INSTRUCTION = "Solve step by step and give the final answer after ####."
+from periodic_async.reward.answers import last_boxed
 
 logger = logging.getLogger(__name__)
 
@@ -88,22 +84,6 @@ def make_synthetic(n: int, cfg: DataConfig, seed: int) -> list[Example]:
     """`n` problems, a pure function of (`n`, difficulty, `seed`)."""
     rng = random.Random(seed)
     return [make_synthetic_example(rng, cfg, i) for i in range(n)]
-
-
-def synthetic_corpus(seed: int = 0, n: int = 3000) -> Iterator[str]:
-    """Text the offline tokenizer is trained on: problems, solutions and the instruction."""
-    cfg = DataConfig(min_steps=1, max_steps=4, max_operand=99)
-    for ex in make_synthetic(n, cfg, seed):
-        yield f"{ex.question}\n{INSTRUCTION}\n{ex.solution}"
-
-
-# --- prompt template ------------------------------------------------------------------------
-
-def prompt_messages(example: Example, shots: list[Example] = ()) -> list[dict[str, str]]:
-    """The chat messages of one prompt: optional solved examples, the question, the instruction."""
-    parts = [f"{s.question}\n{s.solution}\n" for s in shots]
-    parts.append(f"{example.question}\n{INSTRUCTION}")
-    return [{"role": "user", "content": "\n".join(parts)}]
 
 
 # --- real datasets ------------------------------------------------------------------------
@@ -285,39 +265,6 @@ def few_shot_examples(cfg: DataConfig) -> list[Example]:
     if cfg.few_shot == 0:
         return []
     return make_synthetic(cfg.few_shot, cfg, seed=cfg.seed + 7_777_777)
-
-
-def fit_to_context(examples: list[Example], shots: list[Example], tokenizer, max_new_tokens: int,
-                   context: int | None, skip: bool = False, what: str = "training") -> list[Example]:
-    """The examples whose prompt (chat template and few-shot prefix included) leaves room for
-    `max_new_tokens` within the model's `context` (max_position_embeddings; None: no limit).
-    An example that does not fit is a `DataError` naming it (index, start of the question) and
-    the numbers; with `skip` (data.skip_too_long) such examples are dropped and their count is
-    printed once. Tokenizes every prompt: call it once, at start-up."""
-    if not context or not examples:
-        return list(examples)
-    from periodic_async.tokenizer import encode_chat
-
-    limit = context - max_new_tokens
-    lengths = [len(encode_chat(tokenizer, prompt_messages(e, shots))) for e in examples]
-    too_long = [i for i, n in enumerate(lengths) if n > limit]
-    if not too_long:
-        return list(examples)
-    i = too_long[0]
-    prefix = f"chat template and {len(shots)} few-shot examples" if shots else "chat template"
-    first = (f"{what} example {i} ({examples[i].question[:60]!r}): prompt of {lengths[i]} tokens ({prefix}) + "
-             f"engine.max_tokens={max_new_tokens} = {lengths[i] + max_new_tokens} > the model's context of "
-             f"{context} tokens (max_position_embeddings)")
-    if not skip or len(too_long) == len(examples):
-        raise DataError(f"{len(too_long)} of {len(examples)} {what} prompts do not fit the model's context; "
-                        f"the first: {first}. Shorten them, lower engine.max_tokens or data.few_shot"
-                        f"{'' if skip else ', or set data.skip_too_long=true to skip them'}")
-    msg = (f"[data] skipped {len(too_long)} of {len(examples)} {what} examples too long for the model's context "
-           f"(data.skip_too_long); the first: {first}")
-    print(msg)
-    logger.info(msg)
-    dropped = set(too_long)
-    return [e for k, e in enumerate(examples) if k not in dropped]
 
 
 def iteration_prompts(examples: list[Example], iteration: int, batch: int, seed: int) -> list[tuple[int, Example]]:

@@ -1,0 +1,16 @@
+"""Data: tasks and loaders, prompts, and the offline tokenizer.
+
+    tasks.py       `Example`; the synthetic task; GSM8K / MATH / AIME loaders; prompts per iteration
+    prompts.py     the prompt template and chat encoding; the context-length check
+    tokenizer.py   the small BPE tokenizer of the tiny presets (a standard HF tokenizer directory)
+
+Dependencies point one way: tasks <- prompts <- tokenizer.
+"""
+
+from periodic_async.data.prompts import INSTRUCTION, encode_chat, fit_to_context, prompt_messages
+from periodic_async.data.tasks import (DataError, Example, check_disjoint, few_shot_examples, iteration_prompts,
+                                       load_examples, make_synthetic, make_synthetic_example)
+
+__all__ = ["DataError", "Example", "INSTRUCTION", "check_disjoint", "encode_chat", "few_shot_examples",
+           "fit_to_context", "iteration_prompts", "load_examples", "make_synthetic", "make_synthetic_example",
+           "prompt_messages"]

@@ -1,0 +1,19 @@
+"""Rewards: answer parsing, the built-in reward functions, and user functions in a bounded worker.
+
+    answers.py     the final answer of a completion and whether it equals the truth
+    functions.py   reward functions (TRL's shape), loading user functions, their weighted sum
+    sandbox.py     the worker process user functions and math-verify run in, with a timeout
+
+Built-in functions are named `periodic_async.reward:<name>` in `reward.functions`.
+"""
+
+from periodic_async.reward.answers import (answers_match, extract_answer, last_boxed, math_verify_stats,
+                                           normalize_answer, verify_math)
+from periodic_async.reward.functions import (RewardError, RewardFn, call_reward_fn, combined_reward,
+                                             correctness_reward, format_reward, load_reward_fn, make_reward,
+                                             math_reward)
+from periodic_async.reward.sandbox import BoundedWorker, WorkerError
+
+__all__ = ["BoundedWorker", "RewardError", "RewardFn", "WorkerError", "answers_match", "call_reward_fn",
+           "combined_reward", "correctness_reward", "extract_answer", "format_reward", "last_boxed",
+           "load_reward_fn", "make_reward", "math_reward", "math_verify_stats", "normalize_answer", "verify_math"]

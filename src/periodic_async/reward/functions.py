@@ -1,0 +1,198 @@
+"""Reward functions: correctness and format scores, user reward functions, their weighted sum.
+
+A reward function has TRL's shape, `f(prompts, completions, **kwargs) -> list[float]`,
+where kwargs carry the dataset columns (here `answer`). The producer scores each finished
+group with the weighted sum of the configured functions (`combined_reward`).
+Answers are parsed and compared in answers.py; user functions run in sandbox.py's worker.
+
+Guarantees: a user reward function (any not defined in this module) runs in a worker process
+with a wall-clock bound per call (`reward.timeout_s`): one that hangs is killed and the run
+stops with a `RewardError` naming it; one that raises, returns a non-number, the wrong count
+or a NaN/inf stops the run with a `RewardError` naming it and the value (the producer adds
+the iteration and prompt). Reward code is loaded only from the module or file the user names
+in `reward.functions`; the worker resolves imports with the caller's `sys.path`, never adding
+its own working directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import re
+import threading
+import weakref
+from pathlib import Path
+from typing import Callable, Sequence
+
+from periodic_async.config import RewardConfig, UserError
+from periodic_async.reward.answers import answers_match, extract_answer, math_verify_equal
+from periodic_async.reward.sandbox import BoundedWorker, WorkerError
+
+RewardFn = Callable[..., list[float]]
+BUILT_IN_MODULES = ("periodic_async.reward", __name__)
+"""Module names under which the built-in functions are named in `reward.functions` (run in-process)."""
+
+_worker_reward_fns: dict[str, "RewardFn"] = {}
+
+
+def worker_reward_fn(spec: str) -> "RewardFn":
+    """In the worker process: the reward function `spec`, loaded once."""
+    if spec not in _worker_reward_fns:
+        _worker_reward_fns[spec] = load_reward_fn(spec)
+    return _worker_reward_fns[spec]
+
+
+def call_reward_fn(spec: str, prompts: list, completions: list[str], kwargs: dict) -> list[float]:
+    """In the worker process: `spec`(prompts, completions, **kwargs) as a list of floats (NaN and
+    inf included: the caller checks them and names the function)."""
+    r = worker_reward_fn(spec)(prompts, completions, **kwargs)
+    try:
+        return [float(x) for x in r]
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"returned {r!r:.200}: expected a list of numbers ({e})") from None
+
+
+def correctness_reward(prompts: Sequence, completions: Sequence[str], answer: Sequence[str],
+                       use_math_verify: bool = False, **kwargs) -> list[float]:
+    """1.0 when the extracted answer equals the ground truth, else 0.0."""
+    out = []
+    for text, truth in zip(completions, answer, strict=True):
+        ok = answers_match(extract_answer(text), str(truth))
+        if not ok and use_math_verify:
+            ok = math_verify_equal(text, str(truth))
+        out.append(1.0 if ok else 0.0)
+    return out
+
+
+def math_reward(prompts: Sequence, completions: Sequence[str], answer: Sequence[str], **kwargs) -> list[float]:
+    """`correctness_reward` that also asks math-verify (symbolic equivalence: fractions, LaTeX)
+    when our own comparison fails. Needs math-verify (`pip install 'periodic-async[math]'`);
+    works from any thread (the producer's) with a hard timeout per comparison, see above."""
+    return correctness_reward(prompts, completions, answer, use_math_verify=True)
+
+
+def format_reward(prompts: Sequence, completions: Sequence[str], **kwargs) -> list[float]:
+    """1.0 when the completion ends its reasoning with '#### <number>', else 0.0."""
+    return [1.0 if re.search(r"####\s*[-+]?\$?\d", c) else 0.0 for c in completions]
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Load 'package.module:function' (imported through `sys.path`) or 'path/to/file.py:function'
+    (exactly that file). Nothing else is imported. Raises `RewardError` naming the spec."""
+    if ":" not in spec:
+        raise RewardError(f"reward function {spec!r}: expected 'module:function' or 'file.py:function'")
+    mod_name, fn_name = spec.rsplit(":", 1)
+    if mod_name.endswith(".py"):
+        path = Path(mod_name)
+        if not path.is_file():
+            raise RewardError(f"reward function {spec!r}: file {mod_name!r} does not exist")
+        s = importlib.util.spec_from_file_location(f"_user_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(s)
+        try:
+            s.loader.exec_module(module)
+        except Exception as e:
+            raise RewardError(f"reward function {spec!r}: loading {mod_name!r} raised {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise RewardError(f"reward function {spec!r}: cannot import {mod_name!r} ({e})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise RewardError(f"reward function {spec!r}: {mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+class RewardError(UserError, ValueError):
+    """A reward function could not be loaded, failed, timed out, or returned something that is not
+    one finite number per completion; the message names it."""
+
+
+def _checked(name: str, r, n: int) -> list[float]:
+    """`r` as n finite floats, else `RewardError` naming the function `name` and the bad value."""
+    try:
+        values = [float(x) for x in r]
+    except (TypeError, ValueError) as e:
+        raise RewardError(f"reward function {name!r} returned {r!r:.200}: expected a list of numbers ({e})") from None
+    if len(values) != n:
+        raise RewardError(f"reward function {name!r} returned {len(values)} values for {n} completions")
+    bad = [(i, v) for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise RewardError(f"reward function {name!r} returned non-finite reward(s) "
+                          f"{', '.join(f'{v} (completion {i})' for i, v in bad[:4])}")
+    return values
+
+
+def _start_quietly(worker: BoundedWorker) -> None:
+    """Start the worker in the background; a failure is reported by the first call, which retries."""
+    try:
+        worker.start()
+    except Exception:  # noqa: BLE001 - the first reward call starts it again and raises RewardError
+        pass
+
+
+def combined_reward(fns: Sequence[RewardFn | str], weights: Sequence[float], timeout_s: float = 0.0) -> RewardFn:
+    """Weighted sum of reward functions, given as callables or as specs for `load_reward_fn`.
+
+    Checks each returns one finite number per completion and raises `RewardError` naming the
+    function and the bad value otherwise (a NaN reward would otherwise become NaN advantages,
+    gradients and weights). With `timeout_s` > 0 every spec not defined in this module runs in
+    one worker process (`BoundedWorker`, started now in the background), each call bounded by
+    `timeout_s`: a call that overruns kills the worker and raises `RewardError` saying so.
+    Specs are loaded here too, so a bad one fails at start-up. Callables and this module's
+    functions run in the calling thread. The worker stops when the returned function is
+    garbage-collected, at exit, or on its `close()`."""
+    entries: list[tuple[str, RewardFn | None, str | None]] = []  # (name, in-process fn, worker spec)
+    remote: list[str] = []
+    for f in fns:
+        if isinstance(f, str):
+            fn = load_reward_fn(f)
+            if timeout_s > 0 and f.rsplit(":", 1)[0] not in BUILT_IN_MODULES:
+                entries.append((f, None, f))
+                remote.append(f)
+            else:
+                entries.append((f, fn, None))
+        else:
+            entries.append((getattr(f, "__name__", repr(f)), f, None))
+    worker = BoundedWorker(reward_specs=remote) if remote else None
+    if worker is not None:
+        threading.Thread(target=_start_quietly, args=(worker,), daemon=True, name="reward-worker-start").start()
+
+    def call_remote(name: str, spec: str, prompts: Sequence, completions: Sequence[str], kwargs: dict):
+        try:
+            worker.start()
+        except (TimeoutError, RuntimeError) as e:
+            raise RewardError(f"reward function {name!r}: its worker process did not start ({e}); "
+                              "its error is printed above") from None
+        try:
+            return worker.call("periodic_async.reward.functions:call_reward_fn", spec, list(prompts), list(completions),
+                               kwargs, timeout_s=timeout_s)
+        except TimeoutError:
+            raise RewardError(f"reward function {name!r} timed out: no result after {timeout_s:g} s "
+                              "(reward.timeout_s); its worker process was killed") from None
+        except WorkerError as e:
+            raise RewardError(f"reward function {name!r} raised {e}") from None
+        except RuntimeError as e:  # the worker process died (os._exit, a crash)
+            raise RewardError(f"reward function {name!r}: {e}") from None
+
+    def reward(prompts: Sequence, completions: Sequence[str], **kwargs) -> list[float]:
+        total = [0.0] * len(completions)
+        for (name, fn, spec), w in zip(entries, weights, strict=True):
+            r = fn(prompts, completions, **kwargs) if spec is None else \
+                call_remote(name, spec, prompts, completions, kwargs)
+            total = [t + w * v for t, v in zip(total, _checked(name, r, len(completions)))]
+        return total
+
+    if worker is not None:
+        weakref.finalize(reward, worker.close)
+        reward.close = worker.close
+    else:
+        reward.close = lambda: None
+    return reward
+
+
+def make_reward(cfg: RewardConfig) -> RewardFn:
+    """The run's reward: `reward.functions` weighted by `reward.weights`, user functions bounded
+    by `reward.timeout_s` (see `combined_reward`)."""
+    return combined_reward(cfg.functions, cfg.weights, timeout_s=cfg.timeout_s)
