@@ -1,28 +1,25 @@
 """The paper's Table 2 at CPU scale: end-to-end trained tokens/s of TRL's GRPOTrainer (the
-mainstream framework a user here would otherwise pick) and of our three modes, each with and
+mainstream framework a user would otherwise pick) and of our three modes, each with and
 without shared-prompt packing, on one warm-started model, tokenizer, prompt set and reward.
 
-    bash experiments/table2_throughput.sh              # ~15 min on 2 quiet cores; QUICK=1: ~2 min
+    bash experiments/table2_throughput.sh              # ~15 min on 2 cores; QUICK=1: ~2 min
     python experiments/table2_throughput.py [--quick] [--repeats N] [--results results] [--figures figures]
                                             [--runs runs/table2] [section.key=value ...]
 
 What is the same for every system (experiments/table2_throughput.yaml): model, tokenizer,
-prompts (TRL is given our iteration order, unshuffled, so step t trains on our iteration t's
-B prompts), reward (correctness), B prompts per step, G samples each, max new tokens,
+prompts, reward (correctness), B prompts per step, G samples each, max new tokens,
 temperature, lr, beta, clip range, token-mean loss over the whole batch (TRL's "dapo") and
-one optimizer step per generation batch (TRL: steps_per_generation = gradient accumulation,
-num_iterations = 1). Each system keeps its own best execution settings (micro-batch sizes,
-deployment), recorded in the CSV's `settings` column.
-
-Trained tokens = sum over samples of (P + R_i) in every system. TRL's come from its own log
-(`num_tokens`, cumulative); our reward wrapper recounts every TRL batch from the prompt and
-completion ids it sees, and the script asserts the two agree (results/table2_token_check.csv).
-tokens/s excludes the first iteration (TRL: the first optimizer step) of every run.
+one optimizer step per generation batch. How TRL is run, and how its tokens are counted and
+checked against ours: periodic_async/bench/trl.py. Each system keeps its own best execution
+settings (micro-batch sizes, deployment), recorded in the CSV's `settings` column.
+Trained tokens = sum over samples of (P + R_i) in every system; tokens/s excludes the first
+iteration (TRL: the first optimizer step) of every run.
 
 The benchmark protocol is periodic_async.bench: systems interleaved, `bench.repeats` rounds,
 median with min and max; the speedup columns are ratios of medians, their _min/_max the
-paired ratios round by round. Also writes results/table2_batch_effect.csv (the effect of B on
-sync-separated vs periodic-async) and figures/table2_throughput.png.
+paired ratios round by round. Writes results/table2_throughput.csv,
+results/table2_token_check.csv (TRL's count and ours per step), results/table2_batch_effect.csv
+(the effect of B on sync-separated vs periodic-async) and figures/table2_throughput.png.
 """
 
 from __future__ import annotations
@@ -31,21 +28,20 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
-from periodic_async.bench.protocol import SharedEngines, System, flatten, measure, settings_dict, write_csv
+from periodic_async.bench.plots import plot_table2
+from periodic_async.bench.protocol import SharedEngines, System, flatten, measure, write_csv
+from periodic_async.bench.trl import export_model, run_trl, trl_settings
 from periodic_async.config import RunConfig, load_config
 from periodic_async.data import few_shot_examples, iteration_prompts, load_examples, prompt_messages
+from periodic_async.data.prompts import encode_chat
+from periodic_async.data.tokenizer import ensure_tokenizer
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.model import PRESETS
 from periodic_async.pipeline import run
-from periodic_async.bench.plots import plot_table2
-from periodic_async.reward import combined_reward, load_reward_fn
-from periodic_async.data.prompts import encode_chat
-from periodic_async.data.tokenizer import ensure_tokenizer
 
 HERE = Path(__file__).resolve().parent
 IGNORE = ("trainer.output_dir", "logging.")  # not settings of the measured system
@@ -80,99 +76,6 @@ def run_config(plan: dict, setting: str, extra: list[str]) -> RunConfig:
     return load_config(RunConfig, None, over + extra)
 
 
-# --- TRL ------------------------------------------------------------------------------------
-
-def export_model(cfg: RunConfig, out: Path) -> Path:
-    """Model + tokenizer in one directory: TRL loads both by path (an in-memory model fails).
-    Written afresh by every invocation, so a rebuilt warm start is never read stale."""
-    from periodic_async.model import load_policy
-
-    policy, tokenizer = load_policy(cfg.model)
-    policy.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def trl_dataset(cfg: RunConfig, tokenizer) -> tuple[list[dict], dict[str, int]]:
-    """Our iterations' prompts in order (step t = our iteration t) and each prompt's token count."""
-    examples, shots = load_examples(cfg.data, "train"), few_shot_examples(cfg.data)
-    rows, prompt_len = [], {}
-    for it in range(cfg.trainer.iterations):
-        for _, ex in iteration_prompts(examples, it, cfg.algorithm.prompts_per_iteration, cfg.data.seed):
-            msgs = prompt_messages(ex, shots)
-            prompt_len[msgs[0]["content"]] = len(encode_chat(tokenizer, msgs))
-            rows.append({"prompt": msgs, "answer": ex.answer})
-    return rows, prompt_len
-
-
-def trl_micro_batch(cfg: RunConfig, trl: dict, prompt_len: dict[str, int]) -> int:
-    """TRL's per_device_train_batch_size: the largest divisor of B*G whose rows, padded to the
-    longest prompt + max new tokens (TRL pads to the batch's longest), fit trl.micro_batch_tokens."""
-    n = cfg.algorithm.prompts_per_iteration * cfg.algorithm.group_size
-    padded = max(prompt_len.values()) + cfg.engine.max_tokens
-    return max(d for d in range(1, n + 1) if n % d == 0 and (d == 1 or d * padded <= trl["micro_batch_tokens"]))
-
-
-def run_trl(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Path) -> dict:
-    """One TRL GRPOTrainer run of `cfg.trainer.iterations` optimizer steps; tokens/s from its
-    logged `num_tokens` over steps 2..N, and our recount of every batch (`token_check`)."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    a, B, G = cfg.algorithm, cfg.algorithm.prompts_per_iteration, cfg.algorithm.group_size
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    rows, prompt_len = trl_dataset(cfg, tokenizer)  # counted before the clock starts
-    mb = trl_micro_batch(cfg, trl, prompt_len)
-    reward_fn = combined_reward([load_reward_fn(f) for f in cfg.reward.functions], cfg.reward.weights)
-    recount: list[int] = []  # ours: sum of P + R_i of each generation batch TRL scored
-
-    def reward(prompts, completions, completion_ids, answer, **kwargs):
-        recount.append(sum(prompt_len[p[0]["content"]] + len(c) for p, c in zip(prompts, completion_ids)))
-        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        return reward_fn(prompts, texts, answer=answer)
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.step_end, self.logged = [], []
-
-        def on_step_end(self, args, state, control, **kw):
-            self.step_end.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "num_tokens" in logs:
-                self.logged.append(int(logs["num_tokens"]))
-
-    steps = B * G // mb
-    args = GRPOConfig(
-        output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, use_vllm=False, report_to="none",
-        save_strategy="no", logging_steps=1, disable_tqdm=True, seed=cfg.model.seed, data_seed=cfg.data.seed,
-        max_steps=cfg.trainer.iterations, shuffle_dataset=False, dataloader_num_workers=0,
-        num_generations=G, per_device_train_batch_size=mb, gradient_accumulation_steps=steps,
-        steps_per_generation=steps, num_iterations=1, max_completion_length=cfg.engine.max_tokens,
-        temperature=cfg.engine.temperature, top_p=cfg.engine.top_p, top_k=cfg.engine.top_k,
-        learning_rate=a.lr, lr_scheduler_type="constant", weight_decay=a.weight_decay, beta=a.beta,
-        epsilon=a.eps_low, epsilon_high=a.eps_high, loss_type=trl["loss_type"],
-        scale_rewards="group" if a.advantage == "std" else "none", max_grad_norm=a.max_grad_norm,
-        gradient_checkpointing=False,  # TRL's default recomputes activations: memory is no issue here
-        model_init_kwargs={"dtype": cfg.model.dtype, "attn_implementation": cfg.model.attn_implementation})
-    clock = Clock()
-    torch.set_num_threads(trl["threads"])
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=[clock])
-    trainer.train()
-    logged, t = clock.logged, clock.step_end
-    if len(logged) != cfg.trainer.iterations or len(t) != cfg.trainer.iterations:
-        raise RuntimeError(f"TRL logged {len(logged)} num_tokens and {len(t)} steps, expected {cfg.trainer.iterations}")
-    per_step = [logged[0]] + [y - x for x, y in zip(logged, logged[1:])]
-    if per_step != recount:
-        raise AssertionError(f"TRL num_tokens per step {per_step} != our recount of the same batches {recount}")
-    seconds = t[-1] - t[0]  # steps 2..N: the first step (start-up) is excluded, as in our runs
-    return {"tokens_per_s": sum(per_step[1:]) / seconds, "devices": trl["threads"], "micro_batch": mb,
-            "mean_iteration_s": seconds / (len(t) - 1), "token_check": list(zip(per_step, recount))}
-
-
 # --- the experiment ---------------------------------------------------------------------------
 
 def pipeline_system(plan, setting, mode, shared, extra, runs: Path, engines: SharedEngines, name=None) -> System:
@@ -193,18 +96,7 @@ def trl_system(plan, setting, extra, runs: Path, model_dir_of) -> System:
 
     cfg = run_config(plan, setting, extra)
     out = runs / setting / "trl-grpo"
-    # What TRL shares with our systems, what it does instead (one static `generate` of the whole
-    # generation batch in its own process, per-response rows), and its own settings.
-    settings = settings_dict(cfg)
-    n = cfg.algorithm.prompts_per_iteration * cfg.algorithm.group_size
-    settings["engine"].update(backend="transformers.generate", num_workers=1, threads_per_worker=plan["trl"]["threads"],
-                              max_num_seqs=n)
-    settings["algorithm"].pop("micro_batch_tokens")  # TRL's own is trl.per_device_train_batch_size
-    settings["algorithm"]["shared_prompt"] = False
-    settings["pipeline"] = {"mode": "trl-grpo"}
-    settings["trainer"].update(threads=plan["trl"]["threads"], threads_after_generation=0)
-    _, prompt_len = trl_dataset(cfg, load_tokenizer(cfg.model.tokenizer))
-    settings["trl"] = {**plan["trl"], "per_device_train_batch_size": trl_micro_batch(cfg, plan["trl"], prompt_len)}
+    settings = trl_settings(cfg, plan["trl"], load_tokenizer(cfg.model.tokenizer))
     return System("trl-grpo", lambda: run_trl(cfg, plan["trl"], model_dir_of(cfg), out), settings)
 
 
