@@ -22,7 +22,7 @@ from typing import Sequence
 from periodic_async.scale.calibrate import DeviceCosts, colocate_switch_s, device_costs, load_device_file
 from periodic_async.scale.simulate import MODES, Deployment, LengthDist, Workload, run_tokens_per_s, simulate_run
 
-DEFAULT_COSTS = Path(__file__).resolve().parents[2] / "experiments" / "device_costs.example.yaml"
+DEFAULT_COSTS = Path(__file__).resolve().parents[3] / "experiments" / "device_costs.example.yaml"
 
 
 @dataclass(frozen=True)
