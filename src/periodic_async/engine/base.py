@@ -135,6 +135,12 @@ class Engine(ABC):
         """Counters logged with each iteration's metrics (e.g. workers, restarts); none by default."""
         return {}
 
+    def probe_logprobs(self, token_ids: list[int]) -> "dict[int, np.ndarray] | None":
+        """{worker: the L-1 log-probs log_softmax(logits)[i, token_ids[i+1]] (temperature 1) of the
+        weights it holds}, for the after-push check (engine/verify.py); between generate() calls
+        only. None: this engine cannot be probed."""
+        return None
+
     def __enter__(self) -> "Engine":
         return self
 

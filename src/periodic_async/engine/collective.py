@@ -14,11 +14,11 @@ The barrier:
     trainer  `publish(state_dict, version)` packs the tensors, whatever their dtype, byte-wise
              into flat uint8 buckets of at most `engine.weight_sync_bucket_mb` (each tensor at a
              64-byte aligned offset; a tied weight once), starts one broadcast per bucket and
-             returns the layout (names, dtypes, shapes, offsets: a few KiB) as the handle that
-             Ray hands to every worker.
+             returns the layout (names, dtypes, shapes, offsets, and the other names of tied
+             tensors: a few KiB) as the handle that Ray hands to every worker.
     worker   `receive(handle)` posts the matching broadcasts into buffers kept from the last
-             sync (same layout: no allocation), waits, and returns views into them, which the
-             worker copies into its model (`load_weights`).
+             sync (same layout: no allocation), waits, and returns views into them (a tied
+             tensor under each of its names), which the worker loads into its model.
 The broadcasts are asynchronous on the trainer: they complete while the workers receive them,
 and `publish` waits for the previous barrier's before reusing its buffers. No pickling, no
 numpy conversion, no object store; with nccl the weights go device to device.
@@ -126,6 +126,21 @@ def layout(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[dict]
     return buckets
 
 
+def aliases(state_dict: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """(name, the first name of the same tensor) for each tensor `layout` leaves out: a tied
+    weight travels once and is handed to the worker under every name of the state dict (vLLM
+    needs both names of a tied embedding: engine/vllm_engine.py)."""
+    first: dict[tuple, str] = {}
+    out = []
+    for name, t in state_dict.items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+        if key in first:
+            out.append((name, first[key]))
+        else:
+            first[key] = name
+    return out
+
+
 def _views(buffer: torch.Tensor, entries) -> dict[str, torch.Tensor]:
     out = {}
     for name, dtype, shape, offset in entries:
@@ -167,6 +182,8 @@ class CollectiveReceiver(WeightSync):
         out = {}
         for b, buf in zip(buckets, self._buffers):
             out.update(_views(buf, b["entries"]))
+        for name, source in handle.get("aliases", []):
+            out[name] = out[source]
         return out
 
 
@@ -224,7 +241,7 @@ class CollectiveSync(WeightSync):
                     view.copy_(state_dict[name])
         self._works = [_broadcast(self._group, buf) for buf in self._buffers]
         self.bytes_sent = sum(b["nbytes"] for b in buckets)
-        return {"version": version, "buckets": buckets}
+        return {"version": version, "buckets": buckets, "aliases": aliases(state_dict)}
 
     def receive(self, handle):
         raise RuntimeError("CollectiveSync: the trainer publishes, workers receive")

@@ -64,5 +64,11 @@ class LocalEngine(Engine):
             w.update_weights(state_dict, version)
         return time.perf_counter() - t
 
+    def probe_logprobs(self, token_ids: list[int]) -> dict:
+        """Each worker model's log-probs of token_ids[1:] (engine/verify.py)."""
+        from periodic_async.engine.verify import model_logprobs
+
+        return {w: model_logprobs(b.model, token_ids) for w, b in enumerate(self.workers)}
+
     def close(self) -> None:
         self.workers = []

