@@ -106,7 +106,7 @@ def mean_prompt_tokens(cfg: RunConfig) -> float:
     tok = load_tokenizer(cfg.model.tokenizer)
     examples, shots = load_examples(cfg.data, "train"), few_shot_examples(cfg.data)
     batch = iteration_prompts(examples, 0, cfg.algorithm.prompts_per_iteration, cfg.data.seed)
-    return sum(len(encode_chat(tok, prompt_messages(ex, shots))) for _, ex in batch) / len(batch)
+    return sum(len(encode_chat(tok, prompt_messages(ex, shots, cfg.data))) for _, ex in batch) / len(batch)
 
 
 def main(argv=None) -> list[dict]:

@@ -1,13 +1,14 @@
-"""Datasets: synthetic determinism and correctness, GSM8K/MATH/AIME loaders on local files."""
+"""Datasets: synthetic determinism and correctness, GSM8K/MATH/AIME loaders on local files; the
+prompt template as configuration; every dataset column reaches the reward functions."""
 
 import json
 import re
 
 import pytest
 
-from periodic_async.config import DataConfig
-from periodic_async.data import (few_shot_examples, iteration_prompts, load_examples, make_synthetic,
-                                 prompt_messages)
+from periodic_async.config import ConfigError, DataConfig, RunConfig, load_config
+from periodic_async.data import (DataError, encode_chat, few_shot_examples, iteration_prompts, load_examples,
+                                 make_synthetic, prompt_messages, reward_kwargs)
 from periodic_async.reward import correctness_reward
 
 
@@ -84,6 +85,72 @@ def test_few_shot_prompt_is_longer_and_contains_solved_examples():
     ex = load_examples(cfg, "train")[0]
     content = prompt_messages(ex, shots)[0]["content"]
     assert all(s.solution in content for s in shots) and content.endswith("after ####.")
+
+
+def test_default_template_is_the_original_prompt():
+    """The defaults reproduce, character for character, the one hard-coded prompt the committed results
+    were made with: solved examples, then the question and its instruction, in one user turn."""
+    shots = few_shot_examples(DataConfig(few_shot=2))
+    ex = make_synthetic(1, DataConfig(), 5)[0]
+    original = "\n".join([f"{s.question}\n{s.solution}\n" for s in shots] +
+                         [f"{ex.question}\nSolve step by step and give the final answer after ####."])
+    assert prompt_messages(ex, shots) == [{"role": "user", "content": original}]
+    assert prompt_messages(ex, shots, DataConfig()) == prompt_messages(ex, shots)
+
+
+def test_prompt_template_is_configuration(tmp_path, tokenizer):
+    """System prompt first; instruction and question template with a dataset column; few-shot as
+    user/assistant turns; all through the tokenizer's chat template."""
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"question": "How many legs has a cat?", "answer": "so\n#### 4", "topic": "animals"}))
+    ex = load_examples(DataConfig(source=str(p)))[0]
+    shots = few_shot_examples(DataConfig(few_shot=2))
+    data = DataConfig(system_prompt="You are a careful tutor.", instruction="Reply with \\boxed{N}.",
+                      question_template="[{topic}] {question} {instruction}")
+    msgs = prompt_messages(ex, [], data)
+    assert msgs == [{"role": "system", "content": "You are a careful tutor."},
+                    {"role": "user", "content": "[animals] How many legs has a cat? Reply with \\boxed{N}."}]
+    text = tokenizer.decode(encode_chat(tokenizer, msgs))
+    assert text.startswith("You are a careful tutor.\n<|user|>[animals] How many legs") and text.endswith("<|assistant|>")
+    turns = prompt_messages(make_synthetic(1, DataConfig(), 9)[0], shots,
+                            DataConfig(few_shot_format="turns", system_prompt="S"))
+    assert [m["role"] for m in turns] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert turns[2]["content"] == shots[0].solution and turns[1]["content"].startswith(shots[0].question)
+    assert all(s.solution not in turns[-1]["content"] for s in shots)
+    # a placeholder the few-shot examples (synthetic: question, answer, solution, id) lack
+    with pytest.raises(DataError, match=r"data.question_template=.*has no column 'topic'"):
+        prompt_messages(ex, shots, DataConfig(few_shot_format="turns", question_template="[{topic}] {question}"))
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("data.question_template=Answer {answer}: {question}", "would put the ground truth in the prompt"),
+    ("data.question_template=Solve it.", "needs the placeholder {question}"),
+    ("data.question_template={question", "not a valid template"),
+    ("data.question_template={question[0]}", "is not a plain name"),
+    ("data.shot_template={question} {topic}", "unknown placeholder(s) {topic}"),
+    ("data.few_shot_format=pairs", "expected inline or turns"),
+    ("reward.accuracy_function=exact", "expected 'module:function'"),
+])
+def test_template_errors_name_the_field(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(RunConfig, None, [override])
+    assert str(e.value).startswith(override.split("=")[0] + "=") and fragment in str(e.value)
+
+
+def test_reward_kwargs_carry_every_column(tmp_path):
+    """TRL's convention: every column, one value per completion, `answer` the parsed ground truth;
+    a column a record lacks is None; the positional names and TRL's keys are not passed."""
+    p = tmp_path / "g.jsonl"
+    rows = [{"question": "Q1?", "answer": "2+2\n#### 4", "level": 1, "prompt": "x"},
+            {"question": "Q2?", "answer": "so\n#### 1,200", "tags": ["a"]}]
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    exs = load_examples(DataConfig(source=str(p)))
+    kw = reward_kwargs([exs[0], exs[0], exs[1]])
+    assert kw == {"question": ["Q1?", "Q1?", "Q2?"], "answer": ["4", "4", "1200"], "level": [1, 1, None],
+                  "tags": [None, None, ["a"]]}
+    syn = make_synthetic(1, DataConfig(), 0)[0]
+    assert reward_kwargs([syn]) == {"question": [syn.question], "answer": [syn.answer], "solution": [syn.solution],
+                                    "id": [syn.id]}
 
 
 def test_iteration_prompts_is_a_resumable_epoch_shuffle():

@@ -257,3 +257,68 @@ def test_reward_worker_imports_only_what_is_named(tmp_path, monkeypatch):
     reward = combined_reward([f"{spec_file}:one"], [1.0], timeout_s=60)
     assert reward(["p"], ["a", "b"], answer=["1", "1"]) == [1.0, 1.0]
     reward.close()
+
+
+COLUMNS = '''
+def level_reward(prompts, completions, level, answer, unit, **kw):
+    assert all(a.isdigit() for a in answer), answer  # the parsed ground truth, not the solution text
+    assert all(p.endswith(u + "?") or u in p for p, u in zip(prompts, unit)), (prompts, unit)
+    return [float(x) for x in level]
+
+def level_accuracy(prompts, completions, level, **kw):
+    return [x / 10 for x in level]
+
+def too_big(prompts, completions, **kw):
+    return [2.0] * len(completions)
+'''
+
+
+def test_reward_and_accuracy_functions_get_every_column(local_engine, tmp_path):
+    """Through the producer, as a run scores: user reward and accuracy functions (in their worker
+    process) receive every dataset column per completion (TRL's convention) with `answer` parsed;
+    the group's `correct` and the held-out accuracy come from `reward.accuracy_function`."""
+    import json
+
+    from periodic_async.config import RunConfig, load_config
+    from periodic_async.data import load_examples
+    from periodic_async.producer import Producer
+    from periodic_async.reward import make_reward
+
+    data = tmp_path / "d.jsonl"
+    rows = [{"question": f"How many {u}?", "answer": f"{i} + 1\n#### {i + 1}", "level": i, "unit": u}
+            for i, u in enumerate(["apples", "pens", "cards", "coins", "books", "cups"])]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "cols.py").write_text(COLUMNS)
+    cfg = load_config(RunConfig, None, [f"data.source={data}", "data.num_train=4", "data.num_eval=2",
+                                        f"reward.functions={tmp_path / 'cols.py'}:level_reward",
+                                        f"reward.accuracy_function={tmp_path / 'cols.py'}:level_accuracy",
+                                        "engine.max_tokens=3", "algorithm.group_size=2",
+                                        "algorithm.prompts_per_iteration=2"])
+    engine, tok = local_engine
+    producer = Producer(engine, tok, load_examples(cfg.data), [], make_reward(cfg.reward), cfg,
+                        eval_examples=load_examples(cfg.data, "eval"))
+    try:
+        producer.start(0)
+        groups = list(producer.stream(poll_s=0.2))
+        assert len(groups) == 2
+        for g in groups:
+            level = rows[g.prompt_index]["level"]
+            assert g.rewards == [float(level)] * 2 and g.correct == [level / 10] * 2
+        ev = producer.evaluate_now(1)
+        assert ev["correct"] == [0.4, 0.5] and abs(ev["accuracy"] - 0.45) < 1e-12 and abs(ev["stderr"] - 0.05 / 2**0.5) < 1e-12
+    finally:
+        producer.close()
+        producer.accuracy_fn.close()
+
+
+def test_accuracy_outside_unit_interval_is_an_error(tmp_path):
+    from periodic_async.config import RewardConfig
+    from periodic_async.reward import RewardError, make_accuracy
+
+    (tmp_path / "cols.py").write_text(COLUMNS)
+    acc = make_accuracy(RewardConfig(accuracy_function=f"{tmp_path / 'cols.py'}:too_big", timeout_s=0))
+    with pytest.raises(RewardError, match=r"accuracy function .*too_big' \(reward.accuracy_function\) returned "
+                                          r"2.0 \(completion 0\).*expected scores in \[0, 1\]"):
+        acc(["p"], ["a"], answer=["1"])
+    default = make_accuracy(RewardConfig())
+    assert default(["p", "p"], ["#### 3", "#### 4"], answer=["3", "3"], level=[1, 2]) == [1.0, 0.0]

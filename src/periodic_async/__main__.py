@@ -58,10 +58,12 @@ def main(argv: list[str] | None = None) -> None:
             from periodic_async.data import few_shot_examples, load_examples
             from periodic_async.evaluate import evaluate
             from periodic_async.model import load_policy
+            from periodic_async.reward import make_accuracy
 
             cfg = load_config(SFTRunConfig, args.config, args.overrides)
             model, tok = load_policy(cfg.model)
-            r = evaluate(model, tok, load_examples(cfg.data, "eval"), few_shot_examples(cfg.data))
+            r = evaluate(model, tok, load_examples(cfg.data, "eval"), few_shot_examples(cfg.data), data=cfg.data,
+                         accuracy_fn=make_accuracy(cfg.reward))
             summary = {k: v for k, v in r.items() if k != "samples"}
     except (UserError, FileNotFoundError) as e:  # the user's input: one line, no traceback
         if debug:

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import re
+import string
 import subprocess
 import types
 import typing
@@ -98,6 +99,23 @@ class DataConfig:
     """A prompt (few-shot prefix and chat template included) whose tokens + engine.max_tokens
     exceed the model's context (max_position_embeddings): False stops at start-up with an error
     naming the example; True skips such examples and reports how many."""
+    system_prompt: str = ""
+    """The system turn put first in every prompt; empty: none (a chat template with a default
+    system turn, SmolLM2's for one, then adds its own)."""
+    instruction: str = "Solve step by step and give the final answer after ####."
+    """What {instruction} in `question_template` becomes: how the model should present its answer
+    (the built-in rewards parse the last '#### N' or \\boxed{N})."""
+    question_template: str = "{question}\n{instruction}"
+    """The user turn of one problem (data/prompts.py). Placeholders: {question}, {instruction}, and
+    any column of the dataset by name; not {answer} or {solution} (they would hand the model the
+    ground truth). A literal brace is written twice: '{{'."""
+    few_shot_format: str = "inline"
+    """How the `few_shot` solved examples are shown: 'inline' (each written by `shot_template`, all
+    before the problem in its user turn) or 'turns' (each as a user turn written by
+    `question_template` and an assistant turn holding its solution, before the problem's turn)."""
+    shot_template: str = "{question}\n{solution}\n"
+    """One inline solved example (few_shot_format 'inline'); the examples and the problem are
+    joined by a newline. Placeholders: {question}, {solution}, {answer}, {instruction}."""
 
     def __post_init__(self) -> None:
         _check(bool(self.source), "data", "source", self.source, "must not be empty")
@@ -109,6 +127,33 @@ class DataConfig:
                f"must satisfy 1 <= min_steps <= max_steps ({self.max_steps})")
         _check(self.max_operand >= 2, "data", "max_operand", self.max_operand, "must be >= 2")
         _check(self.few_shot >= 0, "data", "few_shot", self.few_shot, "must be >= 0")
+        _check(self.few_shot_format in ("inline", "turns"), "data", "few_shot_format", self.few_shot_format,
+               "expected inline or turns")
+        names = _placeholders(self.question_template, "data", "question_template")
+        _check("question" in names, "data", "question_template", self.question_template,
+               "needs the placeholder {question}")
+        leaked = sorted(names & {"answer", "solution"})
+        _check(not leaked, "data", "question_template", self.question_template,
+               f"placeholder(s) {', '.join('{' + n + '}' for n in leaked)} would put the ground truth in the prompt")
+        names = _placeholders(self.shot_template, "data", "shot_template")
+        unknown = sorted(names - {"question", "solution", "answer", "instruction"})
+        _check(not unknown, "data", "shot_template", self.shot_template,
+               f"unknown placeholder(s) {', '.join('{' + n + '}' for n in unknown)}; expected {{question}}, "
+               "{solution}, {answer}, {instruction}")
+
+
+def _placeholders(template: str, section: str, name: str) -> set[str]:
+    """The {names} of a str.format template; ConfigError for unbalanced braces, positional {} or
+    {a.b} / {a[0]} fields (only plain names are filled)."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ConfigError(f"{section}.{name}={template!r}: not a valid template ({e}; a literal brace is '{{{{')") \
+            from None
+    bad = [f for f in fields if not f.isidentifier()]
+    _check(not bad, section, name, template,
+           f"placeholder {{{bad[0] if bad else ''}}} is not a plain name such as {{question}}")
+    return set(fields)
 
 
 @dataclass
@@ -118,6 +163,12 @@ class RewardConfig:
     'package.module:function' or 'path/to/file.py:function'. Their weighted sum is the reward."""
     weights: list[float] = field(default_factory=lambda: [1.0])
     """One weight per reward function."""
+    accuracy_function: str = "periodic_async.reward:correctness_reward"
+    """What the reported accuracy counts (per-iteration `accuracy`, held-out `eval/accuracy`,
+    `python -m periodic_async eval`): a function of the reward functions' shape and arguments
+    returning one score in [0, 1] per completion, averaged; it runs like them (user functions in
+    the bounded worker). Default: the math correctness reward (1 when the final answer equals
+    the ground truth). A non-math task names its own."""
     timeout_s: float = 300.0
     """Wall-clock bound of one call of a user reward function (one group). User functions (any
     not in periodic_async.reward) run in a worker process; one that overruns is killed and the
@@ -131,6 +182,8 @@ class RewardConfig:
                f"need one weight per function ({len(self.functions)})")
         for f in self.functions:
             _check(":" in f, "reward", "functions", f, "expected 'module:function' or 'file.py:function'")
+        _check(":" in self.accuracy_function, "reward", "accuracy_function", self.accuracy_function,
+               "expected 'module:function' or 'file.py:function'")
 
 
 @dataclass
@@ -446,6 +499,8 @@ class SFTRunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Only `reward.accuracy_function` is used here: the held-out accuracy before and after."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -507,18 +562,30 @@ def _build(cls: type[C], data: dict[str, Any], where: str) -> C:
     return cls(**kwargs)
 
 
-def _set(tree: dict[str, Any], dotted: str, value: str) -> None:
+def _set(tree: dict[str, Any], dotted: str, value: str, verbatim: bool = False) -> None:
     keys = dotted.split(".")
     node = tree
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {dotted}={value!r}: {k!r} is not a section")
-    node[keys[-1]] = yaml.safe_load(value) if value != "" else ""
+    node[keys[-1]] = value if verbatim else yaml.safe_load(value) if value != "" else ""
+
+
+def _is_text_field(cls: type, dotted: str) -> bool:
+    """Whether `dotted` names a field typed `str` of `cls` (a prompt template, a path)."""
+    tp: Any = cls
+    for k in dotted.split("."):
+        if not (dataclasses.is_dataclass(tp) and k in {f.name for f in dataclasses.fields(tp)}):
+            return False
+        tp = typing.get_type_hints(tp)[k]
+    return tp is str
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
-    """Build `cls` from a YAML file (optional) plus `section.key=value` overrides."""
+    """Build `cls` from a YAML file (optional) plus `section.key=value` overrides. An override of a
+    field typed str keeps its text verbatim (`data.question_template={question} Answer:`); other
+    values are read as YAML (`reward.weights=[1.0, 0.5]`)."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -531,7 +598,8 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected section.key=value")
         key, value = item.split("=", 1)
-        _set(tree, key.strip(), value)
+        # a str field takes the text as given: YAML would read '{question}' as a mapping
+        _set(tree, key.strip(), value, verbatim=_is_text_field(cls, key.strip()))
     return _build(cls, tree, "")
 
 

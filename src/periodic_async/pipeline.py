@@ -154,8 +154,8 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     examples, evals = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
     shots = few_shot_examples(cfg.data)
     context = getattr(policy.config, "max_position_embeddings", None)  # prompt + max_tokens must fit: checked once
-    examples, evals = (fit_to_context(e, shots, tokenizer, cfg.engine.max_tokens, context, cfg.data.skip_too_long, what)
-                       for e, what in ((examples, "training"), (evals, "held-out")))
+    examples, evals = (fit_to_context(e, shots, tokenizer, cfg.engine.max_tokens, context, cfg.data.skip_too_long, what,
+                                      cfg.data) for e, what in ((examples, "training"), (evals, "held-out")))
     reward_fn = make_reward(cfg.reward)
     tracer = Tracer(enabled=cfg.logging.trace, path=out / "trace.jsonl")  # streamed as recorded
     consumer = Consumer(policy, cfg, tracer, ranks=ranks)  # tri-model's ref = the initial weights

@@ -10,13 +10,18 @@ advantages and puts it on a bounded queue, tagged with the engine's version.
 Held-out evaluation runs through the same engines: when `trainer.eval_every` divides the
 engines' version, `start(t)` appends one greedy request per held-out prompt after the
 iteration's requests (FIFO admission puts them in the slots that free up at the end of the
-generation, where the engines would otherwise idle). They are scored with the correctness
-reward into `eval_results[version]`, never queued for training: the trainer keeps training
+generation, where the engines would otherwise idle). They are scored with the accuracy
+function (`reward.accuracy_function`, default the correctness reward) into
+`eval_results[version]`, never queued for training: the trainer keeps training
 while they run, and the iteration ends when both are done.
 
 `generation_done` is set once the engines have returned every request of the iteration
 (before the last group is queued): from then on the engines' devices are free until the
 barrier, and the consumer may take them (`trainer.threads_after_generation`).
+
+Reward and accuracy functions get TRL's arguments: the prompt text (its last user turn), the
+completions, and every column of the example's dataset record as keyword lists
+(`data.reward_kwargs`; `answer` always, the parsed ground truth).
 
 Guarantees: every prompt of the iteration is delivered exactly once (the consumer counts
 them); a request's sampling seed is a pure function of (run seed, iteration, prompt), so
@@ -33,10 +38,10 @@ from typing import Callable, Iterator, Sequence
 
 from periodic_async import grpo
 from periodic_async.config import RunConfig
-from periodic_async.data import Example, iteration_prompts, prompt_messages
+from periodic_async.data import Example, iteration_prompts, prompt_messages, reward_kwargs
 from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
 from periodic_async.group import Group
-from periodic_async.reward import RewardError, correctness_reward
+from periodic_async.reward import RewardError, make_accuracy
 from periodic_async.data.prompts import encode_chat
 from periodic_async.trace import Tracer
 
@@ -59,17 +64,21 @@ class Producer:
     """Background generation for one iteration at a time; see the module docstring.
 
     engine: any `Engine`; examples: training set; shots: few-shot prefix;
-    reward_fn: TRL-shaped f(prompts, completions, answer=...) -> list[float].
+    reward_fn: TRL-shaped f(prompts, completions, **columns) -> list[float];
+    accuracy_fn: the same shape, scores in [0, 1] (None: `make_accuracy(cfg.reward)`).
     """
 
     def __init__(self, engine: Engine, tokenizer, examples: Sequence[Example], shots: Sequence[Example],
                  reward_fn: Callable[..., list[float]], cfg: RunConfig, tracer: Tracer | None = None,
-                 eval_examples: Sequence[Example] = ()) -> None:
+                 eval_examples: Sequence[Example] = (),
+                 accuracy_fn: Callable[..., list[float]] | None = None) -> None:
         self.engine, self.tokenizer, self.examples = engine, tokenizer, examples
+        self.accuracy_fn = make_accuracy(cfg.reward) if accuracy_fn is None else accuracy_fn
         self.eval_examples = list(eval_examples)
         self.eval_results: dict[int, dict] = {}
         """Greedy held-out accuracy per evaluated version: {'accuracy', 'n', 'stderr', 'iteration',
-        'correct' (0/1 per held-out example, in order: paired comparisons between versions)}."""
+        'correct' (the accuracy score per held-out example, in order, 0/1 for the default: paired
+        comparisons between versions)}."""
         self._eval_prompt_ids: list[list[int]] | None = None
         self.generation_done = threading.Event()
         self.shots, self.reward_fn, self.cfg = list(shots), reward_fn, cfg
@@ -85,7 +94,7 @@ class Producer:
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._prompt_ids:
-            self._prompt_ids[index] = encode_chat(self.tokenizer, prompt_messages(self.examples[index], self.shots))
+            self._prompt_ids[index] = encode_chat(self.tokenizer, self._messages(self.examples[index]))
         return self._prompt_ids[index]
 
     def start(self, iteration: int) -> None:
@@ -174,20 +183,27 @@ class Producer:
     def _eval_requests(self, iteration: int) -> dict[str, tuple[Request, int]]:
         greedy = SamplingParams(max_tokens=self.cfg.engine.max_tokens, temperature=0.0, stop=list(self.cfg.engine.stop))
         if self._eval_prompt_ids is None:
-            self._eval_prompt_ids = [encode_chat(self.tokenizer, prompt_messages(e, self.shots))
-                                     for e in self.eval_examples]
+            self._eval_prompt_ids = [encode_chat(self.tokenizer, self._messages(e)) for e in self.eval_examples]
         return {f"eval{iteration}-{i}": (Request(f"eval{iteration}-{i}", ids, 1, greedy, seed=i), i)
                 for i, ids in enumerate(self._eval_prompt_ids)}
 
     def _score_eval(self, texts: dict[int, str], iteration: int, version: int) -> dict:
         order = sorted(texts)
-        correct = correctness_reward(None, [texts[i] for i in order],
-                                     answer=[self.eval_examples[i].answer for i in order])
+        examples = [self.eval_examples[i] for i in order]
+        try:
+            correct = self.accuracy_fn([self._messages(e)[-1]["content"] for e in examples],
+                                       [texts[i] for i in order], **reward_kwargs(examples))
+        except Exception as e:
+            raise RewardError(f"held-out evaluation of version {version}: {type(e).__name__}: {e}") from e
         n = len(correct)
         acc = sum(correct) / n
-        self.eval_results[version] = {"accuracy": acc, "n": n, "stderr": (acc * (1 - acc) / n) ** 0.5,
-                                      "iteration": iteration, "correct": [int(c) for c in correct]}
+        var = sum((c - acc) ** 2 for c in correct) / n  # acc * (1 - acc) for 0/1 scores
+        self.eval_results[version] = {"accuracy": acc, "n": n, "stderr": (var / n) ** 0.5, "iteration": iteration,
+                                      "correct": [int(c) if float(c).is_integer() else c for c in correct]}
         return self.eval_results[version]
+
+    def _messages(self, example: Example) -> list[dict[str, str]]:
+        return prompt_messages(example, self.shots, self.cfg.data)
 
     def _score(self, out: RequestOutput, index: int, example: Example, iteration: int, version: int,
                submitted: float) -> Group:
@@ -200,14 +216,14 @@ class Producer:
                             tokens=len(out.samples[k].token_ids), first_token=ev.get("first_token"))
         t0 = time.time()
         texts = [s.text for s in out.samples]
-        prompt_text = prompt_messages(example, self.shots)[0]["content"]
-        G = len(texts)
+        prompts = [self._messages(example)[-1]["content"]] * len(texts)
+        columns = reward_kwargs([example] * len(texts))
         try:
-            rewards = self.reward_fn([prompt_text] * G, texts, answer=[example.answer] * G)
+            rewards = self.reward_fn(prompts, texts, **columns)
+            correct = self.accuracy_fn(prompts, texts, **columns)
         except Exception as e:
             raise RewardError(f"iteration {iteration}, prompt {index} (request {out.request_id}): "
                               f"{type(e).__name__}: {e}") from e
-        correct = correctness_reward(None, texts, answer=[example.answer] * G)
         advantages = grpo.group_advantages([float(r) for r in rewards], mode=self.cfg.algorithm.advantage).tolist()
         t1 = time.time()
         self.tracer.add("reward", "producer", t0, t1, request=out.request_id)

@@ -24,18 +24,20 @@ from periodic_async.config import SFTRunConfig, load_config, save_run_info
 from periodic_async.data import few_shot_examples, load_examples, prompt_messages
 from periodic_async.evaluate import evaluate
 from periodic_async.model import load_policy, num_parameters
+from periodic_async.reward import make_accuracy
 from periodic_async.data.prompts import encode_chat
 from periodic_async.trace import MetricsLogger
 
 
-def tokenize_sft(tokenizer, examples, shots) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, target ids ending in eos) of every example that has a solution."""
+def tokenize_sft(tokenizer, examples, shots, data=None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, target ids ending in eos) of every example that has a solution; `data`: the
+    prompt template (a DataConfig; None: the defaults)."""
     out = []
     for e in examples:
         if e.solution is None:
             continue
         target = tokenizer(e.solution, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        out.append((encode_chat(tokenizer, prompt_messages(e, shots)), target))
+        out.append((encode_chat(tokenizer, prompt_messages(e, shots, data)), target))
     if not out:
         raise ValueError("supervised warm start: no training example has a worked solution")
     return out
@@ -66,11 +68,12 @@ def run_sft(cfg: SFTRunConfig) -> dict:
     save_run_info(cfg, out)
     model, tokenizer = load_policy(cfg.model)
     shots = few_shot_examples(cfg.data)
-    train = tokenize_sft(tokenizer, load_examples(cfg.data, "train"), shots)
+    train = tokenize_sft(tokenizer, load_examples(cfg.data, "train"), shots, cfg.data)
     eval_examples = load_examples(cfg.data, "eval")
     logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                            name=f"sft-{out.name}")
-    before = evaluate(model, tokenizer, eval_examples, shots)
+    accuracy_fn = make_accuracy(cfg.reward)
+    before = evaluate(model, tokenizer, eval_examples, shots, data=cfg.data, accuracy_fn=accuracy_fn)
     print(f"[sft] {cfg.model.name_or_path}: {num_parameters(model) / 1e6:.2f}M parameters, "
           f"{len(train)} training examples, held-out accuracy before {before['accuracy']:.3f}")
 
@@ -99,7 +102,7 @@ def run_sft(cfg: SFTRunConfig) -> dict:
         if step % 50 == 0:
             logger.log({"sft/loss": loss.item(), "sft/lr": lr, "sft/elapsed_s": time.time() - t0}, step=step)
     train_s = time.time() - t0
-    after = evaluate(model, tokenizer, eval_examples, shots)
+    after = evaluate(model, tokenizer, eval_examples, shots, data=cfg.data, accuracy_fn=accuracy_fn)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     summary = {"model": cfg.model.name_or_path, "parameters": num_parameters(model), "steps": step,

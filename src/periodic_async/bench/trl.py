@@ -46,13 +46,13 @@ def export_model(cfg: RunConfig, out: Path) -> Path:
 
 def trl_dataset(cfg: RunConfig, tokenizer) -> tuple[list[dict], dict[str, int]]:
     """Our iterations' prompts in order (TRL's step t = our iteration t) as TRL rows {prompt:
-    chat messages, answer}, and each prompt's token count (keyed by its first message)."""
+    chat messages, answer}, and each prompt's token count (keyed by its last message, the problem's user turn)."""
     examples, shots = load_examples(cfg.data, "train"), few_shot_examples(cfg.data)
     rows, prompt_len = [], {}
     for it in range(cfg.trainer.iterations):
         for _, ex in iteration_prompts(examples, it, cfg.algorithm.prompts_per_iteration, cfg.data.seed):
-            msgs = prompt_messages(ex, shots)
-            prompt_len[msgs[0]["content"]] = len(encode_chat(tokenizer, msgs))
+            msgs = prompt_messages(ex, shots, cfg.data)
+            prompt_len[msgs[-1]["content"]] = len(encode_chat(tokenizer, msgs))  # the problem's turn: unique
             rows.append({"prompt": msgs, "answer": ex.answer})
     return rows, prompt_len
 
@@ -98,7 +98,7 @@ def run_trl(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Path) -> dict:
     recount: list[int] = []  # ours: sum of P + R_i of each generation batch TRL scored
 
     def reward(prompts, completions, completion_ids, answer, **kwargs):
-        recount.append(sum(prompt_len[p[0]["content"]] + len(c) for p, c in zip(prompts, completion_ids)))
+        recount.append(sum(prompt_len[p[-1]["content"]] + len(c) for p, c in zip(prompts, completion_ids)))
         texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
         return reward_fn(prompts, texts, answer=answer)
 

@@ -1,7 +1,8 @@
 """Data: tasks and loaders, prompts, and the offline tokenizer.
 
-    tasks.py       `Example`; the synthetic task; GSM8K / MATH / AIME loaders; prompts per iteration
-    prompts.py     the prompt template and chat encoding; the context-length check
+    tasks.py       `Example`; the synthetic task; GSM8K / MATH / AIME loaders; prompts per iteration;
+                   the dataset columns as reward kwargs
+    prompts.py     the prompt template (configured in data.*) and chat encoding; the context-length check
     tokenizer.py   the small BPE tokenizer of the tiny presets (a standard HF tokenizer directory)
 
 Dependencies point one way: tasks <- prompts <- tokenizer.
@@ -9,8 +10,8 @@ Dependencies point one way: tasks <- prompts <- tokenizer.
 
 from periodic_async.data.prompts import INSTRUCTION, encode_chat, fit_to_context, prompt_messages
 from periodic_async.data.tasks import (DataError, Example, check_disjoint, few_shot_examples, iteration_prompts,
-                                       load_examples, make_synthetic, make_synthetic_example)
+                                       load_examples, make_synthetic, make_synthetic_example, reward_kwargs)
 
 __all__ = ["DataError", "Example", "INSTRUCTION", "check_disjoint", "encode_chat", "few_shot_examples",
            "fit_to_context", "iteration_prompts", "load_examples", "make_synthetic", "make_synthetic_example",
-           "prompt_messages"]
+           "prompt_messages", "reward_kwargs"]

@@ -1,39 +1,75 @@
-"""Prompts: the chat messages of one example (few-shot prefix, question, instruction), and the
-check that every prompt leaves room for its response in the model's context.
+"""Prompts: the chat messages of one example, built from the configured template (system prompt,
+few-shot examples, the problem's user turn), and the check that every prompt leaves room for
+its response in the model's context.
 
-`prompt_messages` is the prompt template (what the reward parses: a final '#### N');
-`fit_to_context` is checked once at start-up: a prompt that leaves no room for the response
-names the example and the numbers (a `DataError`).
+`prompt_messages` is the prompt template, all of it configuration (`data.system_prompt`,
+`data.instruction`, `data.question_template`, `data.few_shot_format`, `data.shot_template`; see
+config.py): the defaults reproduce the single hard-coded instruction this project started with,
+token for token. The messages go through the tokenizer's own chat template (`encode_chat`), as
+TRL and vLLM apply it. `fit_to_context` is checked once at start-up: a prompt that leaves no
+room for the response names the example and the numbers (a `DataError`).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
+from periodic_async.config import DataConfig
 from periodic_async.data.tasks import DataError, Example
-INSTRUCTION = "Solve step by step and give the final answer after ####."
+
+INSTRUCTION = DataConfig.instruction
+"""The default `data.instruction`."""
+_DEFAULT = DataConfig()
 
 logger = logging.getLogger(__name__)
 
 
-def prompt_messages(example: Example, shots: list[Example] = ()) -> list[dict[str, str]]:
-    """The chat messages of one prompt: optional solved examples, the question, the instruction."""
-    parts = [f"{s.question}\n{s.solution}\n" for s in shots]
-    parts.append(f"{example.question}\n{INSTRUCTION}")
-    return [{"role": "user", "content": "\n".join(parts)}]
+def _fill(template: str, field: str, example: Example, **fields: str) -> str:
+    """`template` with the example's dataset columns and `fields` (which win) filled in; a
+    placeholder the example lacks is a `DataError` naming the field, the example and what it has."""
+    values = {**example.columns, "question": example.question, **fields}
+    try:
+        return template.format(**{k: "" if v is None else v for k, v in values.items()})
+    except KeyError as e:
+        raise DataError(f"data.{field}={template!r}: example {example.id or '?'} ({example.question[:40]!r}) has no "
+                        f"column {e.args[0]!r}; it has {sorted(values)}") from None
+
+
+def prompt_messages(example: Example, shots: Sequence[Example] = (),
+                    data: DataConfig | None = None) -> list[dict[str, str]]:
+    """The chat messages of one prompt: [system], the solved examples (inline in the user turn, or
+    as user/assistant turns), the problem's user turn (`data.question_template`). `data`: the
+    run's DataConfig (None: the defaults)."""
+    d = _DEFAULT if data is None else data
+    ask = lambda e: _fill(d.question_template, "question_template", e, instruction=d.instruction)  # noqa: E731
+    messages = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
+    if d.few_shot_format == "turns":
+        for s in shots:
+            if s.solution is None:
+                raise DataError(f"data.few_shot_format='turns': few-shot example {s.id or '?'} has no solution")
+            messages += [{"role": "user", "content": ask(s)}, {"role": "assistant", "content": s.solution}]
+        parts = []
+    else:
+        parts = [_fill(d.shot_template, "shot_template", s, solution=s.solution or "", answer=s.answer,
+                       instruction=d.instruction) for s in shots]
+    parts.append(ask(example))
+    return messages + [{"role": "user", "content": "\n".join(parts)}]
 
 
 def fit_to_context(examples: list[Example], shots: list[Example], tokenizer, max_new_tokens: int,
-                   context: int | None, skip: bool = False, what: str = "training") -> list[Example]:
+                   context: int | None, skip: bool = False, what: str = "training",
+                   data: DataConfig | None = None) -> list[Example]:
     """The examples whose prompt (chat template and few-shot prefix included) leaves room for
     `max_new_tokens` within the model's `context` (max_position_embeddings; None: no limit).
     An example that does not fit is a `DataError` naming it (index, start of the question) and
     the numbers; with `skip` (data.skip_too_long) such examples are dropped and their count is
-    printed once. Tokenizes every prompt: call it once, at start-up."""
+    printed once. `data`: the prompt template (None: the defaults). Tokenizes every prompt: call
+    it once, at start-up."""
     if not context or not examples:
         return list(examples)
     limit = context - max_new_tokens
-    lengths = [len(encode_chat(tokenizer, prompt_messages(e, shots))) for e in examples]
+    lengths = [len(encode_chat(tokenizer, prompt_messages(e, shots, data))) for e in examples]
     too_long = [i for i, n in enumerate(lengths) if n > limit]
     if not too_long:
         return list(examples)

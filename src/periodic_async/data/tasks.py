@@ -1,8 +1,9 @@
 """Datasets of math problems with exact answers: GSM8K / MATH (DeepScaleR) / AIME loaders and a
 built-in synthetic task sized for a tiny model on a CPU.
 
-Every source becomes a list of `Example(question, answer, solution)`; prompts.py turns one
-into the chat messages the engines see.
+Every source becomes a list of `Example(question, answer, solution)` that also keeps the
+record's columns; prompts.py turns one into the chat messages the engines see, and
+`reward_kwargs` hands every column to the reward functions (TRL's convention).
 The synthetic task is GSM8K-like arithmetic word problems, generated deterministically
 from a seed, with a difficulty knob (steps, operand size) and an optional few-shot prefix
 that gives the long prompts of the paper's shared-prompt setting.
@@ -20,8 +21,9 @@ import json
 import logging
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Sequence
 
 from periodic_async.config import DataConfig, UserError
 from periodic_async.reward.answers import last_boxed
@@ -32,12 +34,30 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Example:
     """One problem: `answer` is the ground truth the reward compares to; `solution` (optional)
-    is a worked solution ending in '#### answer', the target of supervised warm start."""
+    is a worked solution ending in '#### answer', the target of supervised warm start;
+    `columns` is the record it came from, every column (the synthetic task's: question, answer,
+    solution, id), for the prompt template's placeholders and the reward functions' kwargs."""
 
     question: str
     answer: str
     solution: str | None = None
     id: str = ""
+    columns: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+RESERVED_COLUMNS = frozenset({"prompt", "prompts", "completion", "completions", "completion_ids"})
+"""Columns not passed to reward functions: the positional arguments' names and TRL's own keys."""
+
+
+def reward_kwargs(examples: Sequence[Example]) -> dict[str, list]:
+    """The keyword arguments of a reward call for completions of `examples` (one example per
+    completion): TRL's convention, every dataset column as a list with one value per completion
+    (None where a record lacks it), except `RESERVED_COLUMNS`. `answer` is always there and is
+    the parsed ground truth (GSM8K's answer column, a worked solution, becomes its final number)."""
+    names = dict.fromkeys(k for e in examples for k in e.columns if k not in RESERVED_COLUMNS)
+    kwargs = {k: [e.columns.get(k) for e in examples] for k in names}
+    kwargs["answer"] = [e.answer for e in examples]
+    return kwargs
 
 
 # --- synthetic arithmetic word problems --------------------------------------------------
@@ -77,7 +97,13 @@ def make_synthetic_example(rng: random.Random, cfg: DataConfig, idx: int = 0) ->
             value *= k
     sentences.append(f"How many {item} does {name} have?")
     solution = "\n".join(lines) + f"\n#### {value}"
-    return Example(question=" ".join(sentences), answer=str(value), solution=solution, id=f"syn-{idx}")
+    return _synthetic(" ".join(sentences), str(value), solution, f"syn-{idx}")
+
+
+def _synthetic(question: str, answer: str, solution: str, id: str) -> Example:
+    """A synthetic problem, its columns those of a GSM8K-like record."""
+    return Example(question, answer, solution, id,
+                   columns={"question": question, "answer": answer, "solution": solution, "id": id})
 
 
 def make_synthetic(n: int, cfg: DataConfig, seed: int) -> list[Example]:
@@ -134,7 +160,7 @@ def _record_to_example(rec: dict, fmt: str, where: str, i: int) -> Example:
         if fmt == "gsm8k":
             question = _text(rec, "question")
             sol = re.sub(r"<<[^>]*>>", "", _text(rec, "answer"))
-            return Example(question, _gsm8k_final(sol), sol.strip(), str(rec.get("id", i)))
+            return Example(question, _gsm8k_final(sol), sol.strip(), str(rec.get("id", i)), columns=dict(rec))
         if fmt in ("math", "aime"):
             q = _text(rec, "problem", "Problem")
             sol = _text(rec, "solution", "Solution", required=False)
@@ -145,7 +171,7 @@ def _record_to_example(rec: dict, fmt: str, where: str, i: int) -> Example:
                     raise ValueError("no 'answer' field and no \\boxed{} in the solution")
             if ans is None:
                 raise ValueError("missing field 'answer'/'Answer' (or a solution with \\boxed{})")
-            return Example(q, ans.strip(), sol, str(rec.get("id", i)))
+            return Example(q, ans.strip(), sol, str(rec.get("id", i)), columns=dict(rec))
     except ValueError as e:
         raise DataError(f"{where} (format {fmt}): {e}") from None
     raise DataError(f"unknown format {fmt!r}")
@@ -256,7 +282,7 @@ def _synthetic_eval(cfg: DataConfig, exclude: list[Example]) -> list[Example]:
                              "make the task larger (data.max_operand, data.max_steps) or data.num_train smaller")
         ex = make_synthetic_example(rng, cfg, draws - 1)
         if _key(ex) not in taken:
-            out.append(Example(ex.question, ex.answer, ex.solution, id=f"syn-eval-{draws - 1}"))
+            out.append(_synthetic(ex.question, ex.answer, ex.solution, f"syn-eval-{draws - 1}"))
     return out
 
 

@@ -1,8 +1,10 @@
 """Reward functions: correctness and format scores, user reward functions, their weighted sum.
 
 A reward function has TRL's shape, `f(prompts, completions, **kwargs) -> list[float]`,
-where kwargs carry the dataset columns (here `answer`). The producer scores each finished
-group with the weighted sum of the configured functions (`combined_reward`).
+where kwargs carry every column of the dataset, one value per completion (`data.reward_kwargs`;
+`answer` is always there, the parsed ground truth). The producer scores each finished group
+with the weighted sum of the configured functions (`combined_reward`), and its accuracy with
+`reward.accuracy_function` (`make_accuracy`, scores in [0, 1]; held-out evaluation uses it too).
 Answers are parsed and compared in answers.py; user functions run in sandbox.py's worker.
 
 Guarantees: a user reward function (any not defined in this module) runs in a worker process
@@ -196,3 +198,23 @@ def make_reward(cfg: RewardConfig) -> RewardFn:
     """The run's reward: `reward.functions` weighted by `reward.weights`, user functions bounded
     by `reward.timeout_s` (see `combined_reward`)."""
     return combined_reward(cfg.functions, cfg.weights, timeout_s=cfg.timeout_s)
+
+
+def make_accuracy(cfg: RewardConfig) -> RewardFn:
+    """The run's accuracy score: `reward.accuracy_function` (the reward functions' shape and
+    arguments), run as they are (a user function in a bounded worker, `reward.timeout_s`), each
+    value checked to be in [0, 1]: a `RewardError` naming the function and the value otherwise.
+    Per-iteration `accuracy` and held-out `eval/accuracy` are the means of these scores."""
+    name = cfg.accuracy_function
+    score = combined_reward([name], [1.0], timeout_s=cfg.timeout_s)
+
+    def accuracy(prompts: Sequence, completions: Sequence[str], **kwargs) -> list[float]:
+        values = score(prompts, completions, **kwargs)
+        bad = [(i, v) for i, v in enumerate(values) if not 0.0 <= v <= 1.0]
+        if bad:
+            raise RewardError(f"accuracy function {name!r} (reward.accuracy_function) returned "
+                              f"{', '.join(f'{v} (completion {i})' for i, v in bad[:4])}: expected scores in [0, 1]")
+        return values
+
+    accuracy.close = score.close
+    return accuracy
