@@ -28,8 +28,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from periodic_async.config import RunConfig, load_config
+from periodic_async.bench.analysis import compare_iteration
 from periodic_async.bench.plots import plot_equivalence
+from periodic_async.config import RunConfig, load_config
 from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -50,20 +51,8 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def compare_iteration(sync_rows: list[dict], async_rows: list[dict]) -> dict:
-    """Samples of one iteration: how many are the same token sequence in both runs (matched by
-    prompt and sample index), and whether the trainer took the groups in another order."""
-    a = {r["prompt_index"]: r["response_ids"] for r in async_rows}
-    pairs = [(s, a.get(r["prompt_index"], [None] * len(r["response_ids"]))[i])
-             for r in sync_rows for i, s in enumerate(r["response_ids"])]
-    same = sum(s == t for s, t in pairs)
-    order = lambda rows: [r["prompt_index"] for r in sorted(rows, key=lambda r: r["arrival"])]  # noqa: E731
-    return {"samples": len(pairs), "identical_samples": same, "identical_fraction": round(same / len(pairs), 4),
-            "trained_in_other_order": order(sync_rows) != order(async_rows)}
-
-
 def run_case(case: str, overrides: list[str], backend: str, runs: Path) -> list[dict]:
-    from periodic_async.engine import make_engine  # here: the tests import this module's helpers only
+    from periodic_async.engine import make_engine
     from periodic_async.model import load_policy
     from periodic_async.pipeline import run
 

@@ -12,7 +12,8 @@ then weight sync to the engine) closes each iteration.
 Writes <results>/fig1/<mode>.trace.jsonl (+ rollouts), <results>/fig1_timeline.csv
 (mode, iteration, wall_s, first_group_s, train_start_s, generation_s, trains_while_generating,
 trained_order: requests numbered 1..B in dataset order, listed as the trainer took them) and
-<figures>/fig1_timeline.png (`plots.plot_timeline`, also called by notebooks/fig1_timeline.ipynb).
+<figures>/fig1_timeline.png (`bench.plots.plot_fig1`, also called by notebooks/fig1_timeline.ipynb).
+The phases and orders are computed by `bench.analysis.iteration_phases` and `trained_orders`.
 """
 
 from __future__ import annotations
@@ -24,54 +25,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from periodic_async.bench.plots import plot_timeline, request_number
+from periodic_async.bench.analysis import iteration_phases, trained_orders
+from periodic_async.bench.plots import plot_fig1
 from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async"]
 COLUMNS = ["mode", "iteration", "wall_s", "first_group_s", "train_start_s", "generation_s",
            "trains_while_generating", "trained_order"]
-
-
-def iteration_phases(events: list[dict]) -> list[dict]:
-    """Per iteration, from one run's trace: times from the end of the weight sync that started
-    it (version t on the engines) to its first finished request, the trainer's first
-    micro-step, the last finished request and the end of the next weight sync; and the order
-    in which the trainer took the requests (numbered 1..B by dataset position)."""
-    syncs = {e["args"]["version"]: e["start"] + e["dur"] for e in events if e["name"] == "weight_sync"}
-    rows = []
-    for it in sorted(v for v in syncs if v + 1 in syncs):
-        t0 = syncs[it]
-        gen = [e for e in events if e["name"] == "generate" and e["args"]["request"].startswith(f"it{it}-")]
-        ends: dict[str, float] = {}  # request -> its last sample's end (a group is done then)
-        for e in gen:
-            ends[e["args"]["request"]] = max(ends.get(e["args"]["request"], 0.0), e["start"] + e["dur"])
-        steps = [e for e in events if e["name"] == "micro_step" and e["args"].get("iteration") == it]
-        train_start = min(e["start"] for e in steps)
-        rows.append({"iteration": it, "wall_s": syncs[it + 1] - t0, "first_group_s": min(ends.values()) - t0,
-                     "train_start_s": train_start - t0, "generation_s": max(ends.values()) - t0,
-                     "trains_while_generating": train_start < max(ends.values())})
-    return rows
-
-
-def trained_orders(rollouts: list[dict]) -> dict[int, str]:
-    """Iteration -> the requests (1..B by dataset position) in the order the trainer took them."""
-    out: dict[int, list[int]] = {}
-    for r in sorted(rollouts, key=lambda r: (r["iteration"], r["arrival"])):
-        out.setdefault(r["iteration"], []).append(r["position"] + 1)
-    return {it: " ".join(map(str, order)) for it, order in out.items()}
-
-
-def draw(results: Path, figures: Path) -> Path:
-    """<figures>/fig1_timeline.png from <results>/fig1_timeline.csv and the traces in <results>/fig1/
-    (the notebook calls this too): the first iteration of each mode is titled with its order."""
-    with (results / "fig1_timeline.csv").open() as f:
-        first = {}
-        for r in csv.DictReader(f):
-            first.setdefault(r["mode"], r)
-    panels = [(f"{m}: {len(first[m]['trained_order'].split())} requests, trained in order "
-               f"{first[m]['trained_order']}", results / "fig1" / f"{m}.trace.jsonl") for m in MODES]
-    return plot_timeline(panels, figures / "fig1_timeline.png", bar_label=request_number)
 
 
 def main(argv=None) -> list[dict]:
@@ -82,7 +43,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    from periodic_async.config import RunConfig, load_config  # here: the notebook imports `draw` only
+    from periodic_async.config import RunConfig, load_config
     from periodic_async.pipeline import run
 
     extra = list(args.overrides)
@@ -107,7 +68,7 @@ def main(argv=None) -> list[dict]:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    png = draw(out, Path(args.figures))
+    png = plot_fig1(out, Path(args.figures), MODES)
     for r in rows:
         print(r)
     log_experiment("fig1_timeline", [out / "fig1_timeline.csv"], [png])

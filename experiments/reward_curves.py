@@ -58,10 +58,11 @@ import sys
 import time
 from pathlib import Path
 
-from periodic_async.config import ConfigError, PipelineConfig, RunConfig, load_config
+from periodic_async.bench.analysis import identical_iterations, max_abs_diff, paired_gain_stderr
+from periodic_async.bench.plots import plot_reward_curves
+from periodic_async.config import RunConfig, load_config
 from periodic_async.model import PRESETS
 from periodic_async.pipeline import run
-from periodic_async.bench.plots import plot_reward_curves
 from periodic_async.trace import read_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -71,18 +72,6 @@ QUICK = ["trainer.iterations=4", "trainer.eval_every=2", "data.num_eval=50", "al
 STATS = {"entropy": "train/entropy", "grad_norm": "train/grad_norm", "kl": "train/kl", "clip_frac": "train/clip_frac",
          "ratio_mean": "train/ratio_mean", "ratio_abs_dev": "train/ratio_abs_dev",
          "behaviour_logp_gap": "train/behaviour_logp_gap"}
-
-
-def available_modes() -> list[str]:
-    """MODES that this checkout's pipeline accepts (async-offpolicy arrived later)."""
-    out = []
-    for m in MODES:
-        try:
-            PipelineConfig(mode=m)
-            out.append(m)
-        except ConfigError:
-            print(f"[reward_curves] skipping {m}: not a pipeline mode here")
-    return out
 
 
 def _r(x, nd=4):
@@ -108,39 +97,6 @@ def curve_rows(mode: str, out: Path) -> list[dict]:
     return rows
 
 
-def paired_gain_stderr(out: Path, first: int, last: int) -> float | None:
-    """Standard error of the accuracy gain from version `first` to `last` on the same held-out
-    problems: sd(d) / sqrt(n) with d = correct_last - correct_first per problem (the paired
-    estimate; the independent one, sqrt(se_first^2 + se_last^2), ignores that the problems are
-    the same)."""
-    evals = {e["step"]: e.get("correct") for e in read_jsonl(out / "eval.jsonl")}
-    a, b = evals.get(first), evals.get(last)
-    if not a or not b or len(a) != len(b):
-        return None
-    d = [y - x for x, y in zip(a, b)]
-    mean = sum(d) / len(d)
-    return (sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d)) ** 0.5
-
-
-def max_abs_diff(a: list[dict], b: list[dict], key: str) -> float | None:
-    """Largest |a - b| over the iterations where both curves have `key`."""
-    pairs = [(x[key], y[key]) for x, y in zip(a, b) if x[key] != "" and y[key] != ""]
-    return max((abs(x - y) for x, y in pairs), default=None)
-
-
-def identical_iterations(out_a: Path, out_b: Path) -> str:
-    """Iterations, from the first, in which two runs sampled exactly the same tokens."""
-    by = [{(g["iteration"], g["prompt_index"]): g["response_ids"] for g in read_jsonl(o / "rollouts.jsonl")}
-          for o in (out_a, out_b)]
-    its = sorted({k[0] for k in by[0]})
-    same = 0
-    for it in its:
-        if not all(v == by[1].get(k) for k, v in by[0].items() if k[0] == it):
-            break
-        same += 1
-    return f"{same}/{len(its)}"
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smoke run: 4 iterations, 50 held-out problems")
@@ -155,7 +111,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"{base.model.name_or_path} does not exist: run `bash experiments/reward_curves.sh`, "
                          "which builds it with experiments/rl_base.yaml")
     rows, summary, outs = {}, [], {}
-    for mode in available_modes():
+    for mode in MODES:
         cfg = load_config(RunConfig, HERE / "reward_curves.yaml",
                           extra + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{mode}"])
         cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()

@@ -147,31 +147,12 @@ def run_leg(args, overrides: list[str]) -> None:
         engine.close()
 
 
-def slope_per_100(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of y on x, times 100."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    return 100 * sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else float("nan")
-
-
 def summarize(csv_path: Path, warmup: int) -> list[dict]:
-    """One row per process (leg, name, pid): RSS slope over its samples `warmup` iterations after its first."""
-    rows = list(csv.DictReader(csv_path.open()))
-    series: dict[tuple, list[tuple[float, float]]] = {}
-    for r in rows:
-        rss = float(r["rss_mib"])
-        if rss == rss:  # not nan: the process was alive
-            series.setdefault((r["process"], int(r["leg"]), int(r["pid"])), []).append((int(r["iteration"]), rss))
-    out = []
-    for (name, leg, pid), pts in sorted(series.items(), key=lambda kv: (kv[0][1], kv[1][0][0], kv[0][0])):
-        fitted = [p for p in pts if p[0] >= pts[0][0] + warmup]
-        out.append({"process": name, "leg": leg, "pid": pid, "first_iteration": pts[0][0],
-                    "last_iteration": pts[-1][0], "samples_fitted": len(fitted), "rss_first_mib": pts[0][1],
-                    "rss_last_mib": pts[-1][1],
-                    "rss_slope_mib_per_100_iterations": round(slope_per_100(fitted), 2) if len(fitted) >= 3 else ""})
-    return out
+    """One row per process of <results>/soak.csv: `bench.analysis.memory_growth`."""
+    from periodic_async.bench.analysis import memory_growth
+
+    with csv_path.open() as f:
+        return memory_growth(list(csv.DictReader(f)), warmup)
 
 
 def main() -> None:

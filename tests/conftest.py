@@ -1,4 +1,7 @@
-"""Shared fixtures: an offline environment and one tokenizer built per test session."""
+"""Shared fixtures and helpers: an offline environment, one tokenizer built per test session, a
+Ray session per module, and the tiny training run the pipeline, checkpoint, fault and
+multi-node tests share (with what they read back: rollouts by prompt, checkpoint weights).
+Test modules import the helpers: `from conftest import tiny_run_config, ...`."""
 
 import os
 
@@ -9,7 +12,13 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+HERE = Path(__file__).resolve()
+DIVERSITY_REWARD = f"{HERE}:diversity_reward"
+"""reward.functions of the tiny run: loaded by path (in the reward worker too)."""
 
 
 @pytest.fixture(scope="session")
@@ -36,22 +45,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def experiment_script():
-    """Load experiments/<name>.py as a module (the experiment scripts are not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    def load(name: str):
-        path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(f"_experiment_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return load
-
-
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray session for one test module (shut down at its end)."""
@@ -59,3 +52,84 @@ def ray_session():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
+
+
+# --- the tiny run: qwen2-1m in float64, 6 prompts x 3 samples of <= 12 tokens per iteration ---------
+
+def diversity_reward(prompts, completions, **kwargs):
+    """A dense reward an untrained model can vary on: distinct characters of the completion."""
+    return [len(set(c)) / 10.0 for c in completions]
+
+
+def tiny_run_config(out, tokenizer_dir, **overrides):
+    """The run the pipeline-level tests share: qwen2-1m in float64 (exact comparisons), 3
+    iterations of B=6 prompts x G=3 samples on 2 Ray engine workers, the diversity reward in
+    process, periodic-async, output in `out`; `overrides` ("section.key": value) on top."""
+    from periodic_async.config import RunConfig, load_config
+
+    settings = {
+        "model.tokenizer": str(tokenizer_dir), "model.dtype": "float64", "model.seed": 3,
+        "data.num_train": 64, "data.num_eval": 0, "data.seed": 5,
+        "reward.functions": DIVERSITY_REWARD, "reward.timeout_s": 0,  # in-process: no worker start-up
+        "engine.backend": "ray", "engine.num_workers": 2,
+        "engine.max_num_seqs": 6, "engine.max_tokens": 12, "engine.stop": "e",
+        "algorithm.group_size": 3, "algorithm.prompts_per_iteration": 6, "algorithm.lr": 3e-3,
+        "algorithm.micro_batch_tokens": 120, "algorithm.beta": 0.05,
+        "trainer.iterations": 3, "trainer.output_dir": str(out), "trainer.eval_at_end": False,
+        "pipeline.mode": "periodic-async", "logging.wandb_mode": "disabled", "logging.progress": False,
+    }
+    settings.update(overrides)
+    return load_config(RunConfig, None, [f"{k}={v}" for k, v in settings.items()])
+
+
+def read_rollouts(run_dir) -> list[dict]:
+    from periodic_async.trace import read_jsonl
+
+    return read_jsonl(Path(run_dir) / "rollouts.jsonl")
+
+
+def by_prompt(rows: list[dict]) -> dict:
+    """rollouts.jsonl rows keyed by (iteration, prompt): (tokens, rewards, version), whatever the
+    order the trainer took them in."""
+    return {(r["iteration"], r["prompt_index"]): (r["response_ids"], r["rewards"], r["version"]) for r in rows}
+
+
+def checkpoint_weights(ckpt_dir) -> dict:
+    """The weights of a checkpoint directory (e.g. <run>/checkpoint, the newest), as saved
+    (safetensors, no pickle; a tied weight once)."""
+    from safetensors.torch import load_file
+
+    return load_file(Path(ckpt_dir) / "model.safetensors")
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """Largest |a[k] - b[k]| over the tensors of `a`; `b` must hold them all (a model's state dict
+    also holds the tied weight a checkpoint saves once)."""
+    assert a and a.keys() <= b.keys(), sorted(a.keys() - b.keys())
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# --- engines: fixed requests, what they sample, what the Ray workers hold ----------------------
+
+def engine_requests(n: int) -> list:
+    """n requests of 4 prompt tokens, 2 samples of <= 12 tokens each, fixed per-request seeds."""
+    from periodic_async.engine import Request, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=1.0)
+    return [Request(f"r{i}", [5 + i, 9, 17, 33 + i], 2, params, seed=100 + i) for i in range(n)]
+
+
+def engine_samples(engine, n: int, logprobs: bool = False) -> dict:
+    """request id -> its samples' tokens (with their log-probs if `logprobs`) for `engine_requests(n)`."""
+    return {o.request_id: [(s.token_ids, s.logprobs) if logprobs else s.token_ids for s in o.samples]
+            for o in engine.generate(engine_requests(n))}
+
+
+def worker_weights(engine) -> list[dict]:
+    """The state dict of every Ray engine worker's model (copies)."""
+    import ray
+
+    def get(worker):
+        return {k: v.clone() for k, v in worker.batcher.model.state_dict().items()}
+
+    return ray.get([w.__ray_call__.remote(get) for w in engine.workers])

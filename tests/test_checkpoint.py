@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from periodic_async import checkpoint
-from periodic_async.config import RunConfig, load_config
+from periodic_async.config import RunConfig
 from periodic_async.consumer import Consumer
 from periodic_async.engine import make_engine
 from periodic_async.engine.local import LocalEngine
@@ -28,13 +27,11 @@ from periodic_async.model import load_policy
 from periodic_async.pipeline import run
 from periodic_async.trace import read_jsonl
 
+from conftest import (DIVERSITY_REWARD, by_prompt, checkpoint_weights, diversity_reward, max_abs_diff, read_rollouts,
+                      tiny_run_config)
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
-
-
-def diversity_reward(prompts, completions, **kwargs):
-    """A dense reward an untrained model can vary on: distinct characters of the completion."""
-    return [len(set(c)) / 10.0 for c in completions]
 
 
 def absurd_reward(prompts, completions, **kwargs):
@@ -48,34 +45,13 @@ def absurd_reward(prompts, completions, **kwargs):
 
 
 def _cfg(out: Path, tokenizer_dir, **extra) -> RunConfig:
-    overrides = {
-        "model.tokenizer": str(tokenizer_dir), "model.dtype": "float64", "model.seed": 3,
-        "data.num_train": 64, "data.num_eval": 0, "data.seed": 5,
-        "reward.functions": f"{HERE}:diversity_reward", "reward.timeout_s": 0,  # in-process: fast
-        "engine.backend": "local", "engine.num_workers": 2,
-        "engine.max_num_seqs": 6, "engine.max_tokens": 12, "engine.stop": "e",
-        "algorithm.group_size": 3, "algorithm.prompts_per_iteration": 6, "algorithm.lr": 3e-3,
-        "algorithm.micro_batch_tokens": 120, "algorithm.beta": 0.05,
-        "trainer.iterations": 3, "trainer.save_every": 1, "trainer.keep_last": 2, "trainer.output_dir": str(out),
-        "trainer.eval_at_end": False, "pipeline.mode": "periodic-async", "logging.wandb_mode": "disabled",
-        "logging.progress": False,
-    }
-    overrides.update(extra)
-    return load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
+    """The tiny run (conftest) on the in-process engine, a checkpoint after every iteration, the last 2 kept."""
+    return tiny_run_config(out, tokenizer_dir, **{
+        "engine.backend": "local", "trainer.save_every": 1, "trainer.keep_last": 2, **extra})
 
 
 def _by_prompt(cfg: RunConfig) -> dict:
-    rows = read_jsonl(Path(cfg.trainer.output_dir) / "rollouts.jsonl")
-    return {(r["iteration"], r["prompt_index"]): (r["response_ids"], r["rewards"], r["version"]) for r in rows}
-
-
-def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    return load_file(Path(ckpt) / "model.safetensors")
-
-
-def _max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    return by_prompt(read_rollouts(cfg.trainer.output_dir))
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +98,7 @@ def test_resume_matches_uninterrupted(stop, engine, full, tokenizer_dir, tmp_pat
     ckpt = checkpoint.latest(tmp_path)
     assert ckpt.name == "checkpoint-2"
     assert json.loads((ckpt / "checkpoint.json").read_text())["iteration"] == 2
-    assert _max_diff(_weights(ckpt), _weights(Path(full.trainer.output_dir) / "checkpoint-2")) <= 1e-10
+    assert max_abs_diff(checkpoint_weights(ckpt), checkpoint_weights(Path(full.trainer.output_dir) / "checkpoint-2")) <= 1e-10
 
     resumed = _cfg(tmp_path, tokenizer_dir, **{"trainer.resume": "auto"})
     run(resumed, engine=engine)
@@ -134,8 +110,8 @@ def test_resume_matches_uninterrupted(stop, engine, full, tokenizer_dir, tmp_pat
     final = Path(resumed.trainer.output_dir) / checkpoint.LATEST
     assert final.resolve().name == "checkpoint-3"
     w0 = load_policy(full.model)[0].state_dict()
-    assert _max_diff(_weights(final), {k: w0[k] for k in _weights(final)}) > 1e-3, "training must move the weights"
-    assert _max_diff(_weights(final), _weights(Path(full.trainer.output_dir) / "checkpoint-3")) <= 1e-10
+    assert max_abs_diff(checkpoint_weights(final), {k: w0[k] for k in checkpoint_weights(final)}) > 1e-3, "training must move the weights"
+    assert max_abs_diff(checkpoint_weights(final), checkpoint_weights(Path(full.trainer.output_dir) / "checkpoint-3")) <= 1e-10
 
 
 def test_checkpoint_loads_without_pickle(full):
@@ -161,7 +137,7 @@ def test_checkpoint_loads_without_pickle(full):
     policy, _ = load_policy(full.model)
     consumer = Consumer(policy, full)
     assert checkpoint.load(ckpt, policy, consumer, full) == 3 and consumer.version == 3
-    assert _max_diff({k: v for k, v in policy.state_dict().items() if k in _weights(ckpt)}, _weights(ckpt)) == 0
+    assert max_abs_diff({k: v for k, v in policy.state_dict().items() if k in checkpoint_weights(ckpt)}, checkpoint_weights(ckpt)) == 0
 
 
 def test_resume_keeps_the_original_reference(full):
@@ -173,8 +149,8 @@ def test_resume_keeps_the_original_reference(full):
     consumer = Consumer(policy, full)
     checkpoint.load(ckpt, policy, consumer, full)
     ref = consumer.tri.ref.state_dict()
-    assert _max_diff(ref, initial) == 0
-    assert _max_diff(ref, policy.state_dict()) > 1e-3
+    assert max_abs_diff(ref, initial) == 0
+    assert max_abs_diff(ref, policy.state_dict()) > 1e-3
     wrong = _cfg(Path(full.trainer.output_dir), full.model.tokenizer, **{"model.name_or_path": str(ckpt)})
     policy, _ = load_policy(wrong.model)
     with pytest.raises(ValueError, match="reference"):
@@ -203,7 +179,7 @@ def test_resume_ignores_partial_checkpoint(engine, full, tokenizer_dir, tmp_path
     resumed = _cfg(tmp_path, tokenizer_dir, **{"trainer.resume": "auto"})
     run(resumed, engine=engine)
     assert {k[0] for k in _by_prompt(resumed)} == {2}
-    assert _max_diff(_weights(tmp_path / "checkpoint-3"), _weights(src / "checkpoint-3")) <= 1e-10
+    assert max_abs_diff(checkpoint_weights(tmp_path / "checkpoint-3"), checkpoint_weights(src / "checkpoint-3")) <= 1e-10
     assert list(checkpoint.complete_checkpoints(tmp_path)) == [2, 3]
     assert not (tmp_path / "checkpoint-4.tmp").exists()
 
@@ -307,7 +283,7 @@ def test_sigterm_leaves_no_processes(backend, tokenizer_dir, tmp_path):
     out = tmp_path / "run"
     overrides = {
         "model.tokenizer": str(tokenizer_dir), "model.name_or_path": "qwen2-micro", "data.num_train": 64,
-        "data.num_eval": 0, "reward.functions": f"{HERE}:diversity_reward", "reward.timeout_s": 0,
+        "data.num_eval": 0, "reward.functions": DIVERSITY_REWARD, "reward.timeout_s": 0,
         "engine.backend": backend, "engine.num_workers": 1, "engine.max_num_seqs": 6, "engine.max_tokens": 12,
         "algorithm.group_size": 2, "algorithm.prompts_per_iteration": 4, "trainer.iterations": 10000,
         "trainer.output_dir": str(out), "trainer.eval_at_end": False, "logging.wandb_mode": "disabled",

@@ -27,6 +27,8 @@ from periodic_async.group import Group
 from periodic_async.model import build_model
 from periodic_async.data.tokenizer import load_tokenizer
 
+from conftest import DIVERSITY_REWARD
+
 B, G = 4, 3
 PLAN = [  # which groups each rank trains, in its order, per iteration
     {0: [2, 0, 1], 1: [3]},  # uneven
@@ -181,10 +183,9 @@ def test_fsdp_tri_model_layout(tokenizer_dir, tmp_path):
 
 
 def _cli_overrides(tokenizer_dir, out: Path) -> list[str]:
-    here = Path(__file__).resolve().parent
     return [f"model.tokenizer={tokenizer_dir}", "model.name_or_path=qwen2-micro", "model.dtype=float64",
             "model.device=cpu", "model.seed=3", "data.num_train=64", "data.num_eval=0", "data.seed=5",
-            f"reward.functions={here / 'test_pipeline.py'}:diversity_reward", "engine.backend=local",
+            f"reward.functions={DIVERSITY_REWARD}", "engine.backend=local",
             "engine.max_num_seqs=6", "engine.max_tokens=12", "engine.stop=e", "algorithm.group_size=3",
             "algorithm.prompts_per_iteration=6", "algorithm.lr=3e-3", "algorithm.micro_batch_tokens=120",
             "algorithm.beta=0.05", "trainer.iterations=2", f"trainer.output_dir={out}", "trainer.eval_at_end=false",

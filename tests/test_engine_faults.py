@@ -31,10 +31,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from periodic_async.config import RunConfig, load_config
+from periodic_async.config import RunConfig
 from periodic_async.engine import EngineError, make_engine
 from periodic_async.pipeline import run
 from periodic_async.trace import read_jsonl
+
+from conftest import by_prompt, checkpoint_weights, max_abs_diff, read_rollouts, tiny_run_config
 
 HERE = Path(__file__).resolve()
 B = 8  # prompts per iteration: the reward's call B + 1 scores the first group of iteration 1
@@ -42,8 +44,8 @@ B = 8  # prompts per iteration: the reward's call B + 1 scores the first group o
 
 def killing_reward(prompts, completions, **kwargs):
     """Distinct characters / 10; at call `at` it SIGKILLs process `pid` (an engine worker) and
-    notes the time. The state is a JSON file named by `_PA_KILL_STATE`: user reward functions
-    run in a worker process (reward.timeout_s), which cannot set the test's variables."""
+    notes the time. The state is a JSON file named by `_PA_KILL_STATE`: a user reward function
+    may run in a worker process (reward.timeout_s > 0), which cannot set the test's variables."""
     path = os.environ.get("_PA_KILL_STATE")
     if path:
         state = json.loads(Path(path).read_text())
@@ -56,34 +58,20 @@ def killing_reward(prompts, completions, **kwargs):
 
 
 def _cfg(out: Path, tokenizer_dir, **extra) -> RunConfig:
-    overrides = {
-        "model.tokenizer": str(tokenizer_dir), "model.dtype": "float64", "model.seed": 3,
-        "data.num_train": 64, "data.num_eval": 0, "data.seed": 5,
-        "reward.functions": f"{HERE}:killing_reward", "engine.backend": "ray", "engine.num_workers": 2,
-        # 12 samples of 40 tokens per worker in 2 slots: generation outlasts the first group
-        "engine.max_num_seqs": 2, "engine.max_tokens": 40, "engine.stop": "",
-        "algorithm.group_size": 3, "algorithm.prompts_per_iteration": B, "algorithm.lr": 3e-3,
-        "algorithm.beta": 0.05, "trainer.iterations": 4, "trainer.save_every": 1,
-        "trainer.output_dir": str(out), "trainer.eval_at_end": False, "pipeline.mode": "periodic-async",
-        "logging.wandb_mode": "disabled", "logging.progress": False,
-    }
-    overrides.update(extra)
-    return load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
+    """The tiny run (conftest), 4 iterations of B=8 prompts, a checkpoint after each; 12 samples of
+    40 tokens per worker in 2 slots: generation outlasts the first group."""
+    return tiny_run_config(out, tokenizer_dir, **{
+        "reward.functions": f"{HERE}:killing_reward", "engine.max_num_seqs": 2, "engine.max_tokens": 40,
+        "engine.stop": "", "algorithm.prompts_per_iteration": B, "trainer.iterations": 4, "trainer.save_every": 1,
+        **extra})
 
 
 def _by_prompt(out: Path) -> dict:
-    return {(r["iteration"], r["prompt_index"]): (r["response_ids"], r["rewards"], r["version"])
-            for r in read_jsonl(out / "rollouts.jsonl")}
+    return by_prompt(read_rollouts(out))
 
 
 def _weights(out: Path) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(out / "checkpoint", dtype=torch.float64).state_dict()
-
-
-def _max_diff(a, b) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    return checkpoint_weights(out / "checkpoint")
 
 
 def _workers_of(out: Path, iteration: int) -> set[int]:
@@ -136,7 +124,7 @@ def test_worker_killed_mid_iteration(ray_session, tokenizer_dir, tmp_path, kill_
     assert all(r.startswith("it1-") for r in err.value.request_ids)
     assert stopped_after < 20, f"the run stopped {stopped_after:.1f} s after the kill"
     assert {k[0] for k in _by_prompt(tmp_path / "killed")} == {0}  # iteration 1 never completed
-    assert _max_diff(_weights(tmp_path / "killed"), _weights(tmp_path / "reference")) <= 1e-10
+    assert max_abs_diff(_weights(tmp_path / "killed"), _weights(tmp_path / "reference")) <= 1e-10
 
 
 def test_worker_restarted_run_continues(ray_session, reference, tokenizer_dir, tmp_path, kill_worker):
@@ -161,7 +149,7 @@ def test_worker_restarted_run_continues(ray_session, reference, tokenizer_dir, t
     assert r["resent"] and all(rid.startswith("it1-") for rid in r["resent"])
     assert 1 in _workers_of(tmp_path / "restarted", 2)  # the new worker served the next iteration
     assert _by_prompt(tmp_path / "restarted") == _by_prompt(reference)
-    assert _max_diff(_weights(tmp_path / "restarted"), _weights(reference)) <= 1e-10
+    assert max_abs_diff(_weights(tmp_path / "restarted"), _weights(reference)) <= 1e-10
     metrics = read_jsonl(tmp_path / "restarted" / "metrics.jsonl")
     if "engine/worker_restarts" in metrics[-1]:
         assert metrics[-1]["engine/worker_restarts"] == 1
@@ -183,23 +171,4 @@ def test_engine_added_between_iterations(ray_session, reference, tokenizer_dir, 
     assert [_workers_of(out, t) for t in range(4)] == [{0, 1}, {0, 1}, {0, 1, 2}, {0}]
     assert workers_at_end == 1
     assert _by_prompt(out) == _by_prompt(reference)
-    assert _max_diff(_weights(out), _weights(reference)) <= 1e-10
-
-
-def test_soak_summary_fits_memory_growth(experiment_script, tmp_path):
-    """experiments/soak.py's summary: one line per process (a restarted worker is a new process),
-    the RSS slope per 100 iterations of a least-squares fit after the warm-up samples."""
-    soak = experiment_script("soak")
-    path = tmp_path / "soak.csv"
-    rows = [dict(leg=2, iteration=it, process="trainer", pid=10, rss_mib=400 + (50 if it == 60 else 0) + 0.3 * it)
-            for it in range(60, 201, 10)]  # start-up bump at the first sample, then 30 MiB / 100 iterations
-    rows += [dict(leg=2, iteration=it, process="worker1", pid=11 if it < 130 else 12, rss_mib=300.0)
-             for it in range(60, 201, 10)]
-    with path.open("w") as f:
-        f.write(",".join(soak.COLUMNS) + "\n")
-        f.writelines(",".join(str(r.get(c, "")) for c in soak.COLUMNS) + "\n" for r in rows)
-    summary = {(r["process"], r["pid"]): r for r in soak.summarize(path, warmup=10)}
-    assert set(summary) == {("trainer", 10), ("worker1", 11), ("worker1", 12)}
-    assert summary[("trainer", 10)]["rss_slope_mib_per_100_iterations"] == pytest.approx(30.0)
-    assert summary[("worker1", 12)]["first_iteration"] == 130
-    assert summary[("worker1", 11)]["rss_slope_mib_per_100_iterations"] == pytest.approx(0.0)
+    assert max_abs_diff(_weights(out), _weights(reference)) <= 1e-10

@@ -1,23 +1,37 @@
-"""The experiment scripts run end to end in QUICK mode and write the artifacts the README and
+"""The experiment scripts run end to end in QUICK mode, as a user runs them (`python
+experiments/<name>.py --quick ...`, a process of its own), and write the artifacts the docs and
 notebooks read (slow: about a minute each; `bash run_tests.sh -m slow`)."""
 
 import csv
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rows(path: Path) -> list[dict]:
-    return list(csv.DictReader(path.open()))
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _run(name: str, *args: str, timeout: float = 900) -> None:
+    """python experiments/<name>.py args, from the repository root; fails with its output's tail."""
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+def _common(tmp_path: Path, tokenizer_dir) -> list[str]:
+    return ["--results", str(tmp_path), "--runs", str(tmp_path / "runs"), "model.name_or_path=qwen2-1m",
+            f"model.tokenizer={tokenizer_dir}", "logging.wandb_mode=disabled"]
 
 
 @pytest.mark.slow
-def test_async_speedup_quick(tmp_path, tokenizer_dir, experiment_script):
-    experiment_script("async_speedup").main(["--quick", "--results", str(tmp_path), "--runs", str(tmp_path / "runs"),
-                                   "--figures", str(tmp_path), "model.name_or_path=qwen2-1m",
-                                   f"model.tokenizer={tokenizer_dir}", "logging.wandb_mode=disabled"])
+def test_async_speedup_quick(tmp_path, tokenizer_dir):
+    _run("async_speedup", "--quick", "--figures", str(tmp_path), *_common(tmp_path, tokenizer_dir))
     rows = {r["mode"]: r for r in _rows(tmp_path / "async_speedup.csv")}
     assert set(rows) == {"sync-separated", "periodic-async", "sync-colocated"}
     assert float(rows["sync-separated"]["speedup_vs_sync_separated"]) == 1.0
@@ -27,10 +41,8 @@ def test_async_speedup_quick(tmp_path, tokenizer_dir, experiment_script):
 
 
 @pytest.mark.slow
-def test_shared_async_quick(tmp_path, tokenizer_dir, experiment_script):
-    experiment_script("shared_async").main(["--quick", "--results", str(tmp_path), "--runs", str(tmp_path / "runs"),
-                                  "model.name_or_path=qwen2-1m", f"model.tokenizer={tokenizer_dir}",
-                                  "logging.wandb_mode=disabled"])
+def test_shared_async_quick(tmp_path, tokenizer_dir):
+    _run("shared_async", "--quick", *_common(tmp_path, tokenizer_dir))
     rows = _rows(tmp_path / "shared_async.csv")
     assert [r["mode"] for r in rows] == ["sync-separated", "periodic-async"] * 2 + ["product"]
     shared_sync = next(r for r in rows if r["shared_prompt"] == "True" and r["mode"] == "sync-separated")
@@ -38,12 +50,10 @@ def test_shared_async_quick(tmp_path, tokenizer_dir, experiment_script):
 
 
 @pytest.mark.slow
-def test_reward_curves_quick(tmp_path, tokenizer_dir, experiment_script):
-    """Three modes from one seed; the summary has the columns the README and notebook read."""
-    experiment_script("reward_curves").main(["--quick", "--results", str(tmp_path), "--runs", str(tmp_path / "runs"),
-                                   "--figures", str(tmp_path), "model.name_or_path=qwen2-1m",
-                                   f"model.tokenizer={tokenizer_dir}", "engine.backend=local",
-                                   "logging.wandb_mode=disabled"])
+def test_reward_curves_quick(tmp_path, tokenizer_dir):
+    """Three modes from one seed; the summary has the columns the docs and notebook read."""
+    _run("reward_curves", "--quick", "--figures", str(tmp_path), *_common(tmp_path, tokenizer_dir),
+         "engine.backend=local")
     rows = _rows(tmp_path / "reward_curves_summary.csv")
     assert [r["mode"] for r in rows] == ["sync-separated", "periodic-async", "async-offpolicy"]
     assert list(rows[0])[:7] == ["mode", "eval_accuracy_start", "eval_accuracy_end", "eval_stderr", "eval_n",
@@ -52,29 +62,14 @@ def test_reward_curves_quick(tmp_path, tokenizer_dir, experiment_script):
     assert (tmp_path / "reward_curves.png").stat().st_size > 10_000
 
 
-def test_paired_gain_stderr(tmp_path, experiment_script):
-    """The gain's paired standard error is sd(d)/sqrt(n) over per-problem differences d."""
-    import json
-    import statistics
-
-    start, end = [1, 0, 1, 0, 0, 1], [1, 1, 1, 0, 1, 0]
-    with (tmp_path / "eval.jsonl").open("w") as f:
-        for step, correct in ((0, start), (10, end)):
-            f.write(json.dumps({"step": step, "accuracy": sum(correct) / 6, "correct": correct}) + "\n")
-    d = [b - a for a, b in zip(start, end)]
-    got = experiment_script("reward_curves").paired_gain_stderr(tmp_path, 0, 10)
-    assert got == pytest.approx(statistics.stdev(d) / len(d) ** 0.5)
-    assert experiment_script("reward_curves").paired_gain_stderr(tmp_path, 0, 20) is None  # no such version
-
-
 @pytest.mark.slow
-def test_table2_quick(tmp_path, tokenizer_dir, experiment_script):
+def test_table2_quick(tmp_path, tokenizer_dir):
     """TRL and our three modes (shared prompt off and on) in both settings; TRL's own token
     counts equal ours on every batch."""
     pytest.importorskip("trl")
-    experiment_script("table2_throughput").main(["--quick", "--repeats", "1", "--results", str(tmp_path), "--runs",
-                                       str(tmp_path / "runs"), "--figures", str(tmp_path),
-                                       "model.name_or_path=qwen2-1m", f"model.tokenizer={tokenizer_dir}"])
+    _run("table2_throughput", "--quick", "--repeats", "1", "--results", str(tmp_path), "--runs",
+         str(tmp_path / "runs"), "--figures", str(tmp_path), "model.name_or_path=qwen2-1m",
+         f"model.tokenizer={tokenizer_dir}")
     rows = _rows(tmp_path / "table2_throughput.csv")
     assert {(r["setting"], r["system"], r["shared_prompt"]) for r in rows} >= {
         ("long-prompt", "trl-grpo", "False"), ("long-prompt", "periodic-async", "True"),

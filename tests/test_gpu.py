@@ -15,11 +15,19 @@ skipped on machines without CUDA, such as CI's).
 import pytest
 import torch
 
-from test_pipeline import _by_prompt, _cfg, _final_weights, _max_diff, _rollouts
+from conftest import by_prompt, checkpoint_weights, engine_samples, max_abs_diff, read_rollouts, tiny_run_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 CUDA = {"model.device": "cuda", "engine.gpus_per_worker": 0.5}  # the two workers share the one GPU
+
+
+def _cfg(tmp, tokenizer_dir, mode: str, **extra):
+    return tiny_run_config(tmp / mode, tokenizer_dir, **{"pipeline.mode": mode, **extra})
+
+
+def _final_weights(cfg) -> dict:
+    return checkpoint_weights(f"{cfg.trainer.output_dir}/checkpoint")
 
 
 def test_async_matches_sync_on_cuda(tokenizer_dir, tmp_path):
@@ -32,11 +40,11 @@ def test_async_matches_sync_on_cuda(tokenizer_dir, tmp_path):
         assert devices == {"cuda:0"}, devices
         run(sync, engine=engine)
         run(asyn, engine=engine)
-    rs, ra = _rollouts(sync), _rollouts(asyn)
+    rs, ra = read_rollouts(sync.trainer.output_dir), read_rollouts(asyn.trainer.output_dir)
     assert len(rs) == len(ra) == 3 * 6
-    assert _by_prompt(rs) == _by_prompt(ra)
+    assert by_prompt(rs) == by_prompt(ra)
     assert any(r["rewards"] != rs[0]["rewards"] for r in rs), "rewards must vary, or the test proves nothing"
-    gap = _max_diff(_final_weights(sync), _final_weights(asyn))
+    gap = max_abs_diff(_final_weights(sync), _final_weights(asyn))
     print(f"periodic-async vs sync-separated on CUDA: max weight gap {gap:.3g} (fp64)")
     assert gap <= 1e-10
 
@@ -50,9 +58,9 @@ def test_cuda_run_matches_cpu_run(tokenizer_dir, tmp_path):
     for cfg in (on_cpu, on_gpu):
         with make_engine(cfg.engine, cfg.model, backend="local") as engine:
             run(cfg, engine=engine)
-    rc, rg = _rollouts(on_cpu), _rollouts(on_gpu)
-    assert _by_prompt(rc) == _by_prompt(rg), "the GPU run sampled other tokens"
-    gap = _max_diff(_final_weights(on_cpu), _final_weights(on_gpu))
+    rc, rg = read_rollouts(on_cpu.trainer.output_dir), read_rollouts(on_gpu.trainer.output_dir)
+    assert by_prompt(rc) == by_prompt(rg), "the GPU run sampled other tokens"
+    gap = max_abs_diff(_final_weights(on_cpu), _final_weights(on_gpu))
     print(f"CUDA vs CPU (fp64, 3 iterations): max weight gap {gap:.3g}")
     assert gap <= 1e-8
 
@@ -71,7 +79,7 @@ def test_collective_sync_on_cuda(tokenizer_dir):
         with pytest.raises(ConfigError, match="same accelerator"):
             make_engine(cfg.engine, cfg.model)
         return
-    from test_weight_sync import _samples, _worker_weights
+    from conftest import worker_weights
 
     from periodic_async.model import load_policy
 
@@ -81,6 +89,6 @@ def test_collective_sync_on_cuda(tokenizer_dir):
     with make_engine(store.engine, store.model) as by_store, make_engine(cfg.engine, cfg.model) as by_nccl:
         by_store.update_weights(pushed, 1)
         by_nccl.update_weights(pushed, 1)
-        for weights in _worker_weights(by_nccl):
+        for weights in worker_weights(by_nccl):
             assert all(torch.equal(weights[k].cpu(), pushed[k].cpu()) for k in pushed)
-        assert _samples(by_store) == _samples(by_nccl)
+        assert engine_samples(by_store, 4, logprobs=True) == engine_samples(by_nccl, 4, logprobs=True)

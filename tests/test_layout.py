@@ -89,3 +89,52 @@ def test_paper_parts_stand_at_the_top():
             "attention", "config"} <= top
     assert {"data", "reward", "engine", "parallel", "scale", "bench"} <= {p.name for p in PACKAGE.iterdir()
                                                                           if (p / "__init__.py").is_file()}
+
+
+# --- tests import the library, never an experiment script -------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+EXPERIMENTS = TESTS.parent / "experiments"
+LOADERS = {"spec_from_file_location", "run_path", "run_module", "exec_module", "import_module", "SourceFileLoader"}
+
+
+def experiment_loads(source: str, experiments: set[str]) -> list[str]:
+    """What a test file's source does to reach experiments/: `import <script>` / `from <script>
+    import ...` of an experiment's name, a call of a module loader (importlib, runpy), or a
+    `sys.path` change. Running a script as a user does (`subprocess.run([python, path])`) is none."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if a.name.split(".")[0] in experiments]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in experiments:
+            found.append(f"from {node.module} import ...")
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in LOADERS:
+                found.append(f"{name}(...)")
+            elif name in ("insert", "append") and isinstance(f, ast.Attribute) and ast.unparse(f.value) == "sys.path":
+                found.append(f"sys.path.{name}(...)")
+    return found
+
+
+def test_no_test_loads_an_experiment_script():
+    """The logic experiments and tests share lives in the package (bench/analysis.py, bench/trl.py,
+    ...): tests import it like any user, and run experiments only as processes of their own."""
+    experiments = {p.stem for p in EXPERIMENTS.glob("*.py")}
+    assert {"fig1_timeline", "equivalence", "table2_throughput"} <= experiments
+    loads = {p.name: found for p in sorted(TESTS.glob("*.py")) if p.name != Path(__file__).name
+             and (found := experiment_loads(p.read_text(), experiments))}
+    assert not loads, f"tests that load experiment files: {loads}"
+
+
+def test_experiment_loads_are_found():
+    """Negative control: each way of loading an experiment file is reported."""
+    experiments = {"fig1_timeline"}
+    assert experiment_loads("from fig1_timeline import draw", experiments) == ["from fig1_timeline import ..."]
+    assert experiment_loads("import fig1_timeline as f", experiments) == ["import fig1_timeline"]
+    assert experiment_loads("s = importlib.util.spec_from_file_location('x', p)", experiments) == [
+        "spec_from_file_location(...)"]
+    assert experiment_loads("runpy.run_path('experiments/x.py')", experiments) == ["run_path(...)"]
+    assert experiment_loads("sys.path.insert(0, 'experiments')", experiments) == ["sys.path.insert(...)"]
+    assert experiment_loads("subprocess.run([sys.executable, 'experiments/fig1_timeline.py'])", experiments) == []

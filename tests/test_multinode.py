@@ -20,9 +20,12 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from periodic_async.config import RunConfig, load_config  # noqa: E402
-from periodic_async.engine import Request, SamplingParams, make_engine  # noqa: E402
+from periodic_async.config import RunConfig  # noqa: E402
+from periodic_async.engine import make_engine  # noqa: E402
 from periodic_async.model import load_policy  # noqa: E402
+
+from conftest import (by_prompt, checkpoint_weights, engine_samples, max_abs_diff, read_rollouts,  # noqa: E402
+                      tiny_run_config, worker_weights)
 
 NODE_STORE_BYTES = 100 * 2**20
 """Object store of each node (the machine is small and shared)."""
@@ -100,37 +103,16 @@ def cluster():
     assert not left, f"cluster processes left after shutdown: {sorted(left)}"
 
 
-def diversity_reward(prompts, completions, **kwargs):
-    """A dense reward an untrained model can vary on: distinct characters of the completion."""
-    return [len(set(c)) / 10.0 for c in completions]
-
-
 def _cfg(tmp, tokenizer_dir, name: str, **extra) -> RunConfig:
-    """tests/test_pipeline.py's run (qwen2-1m in float64), 2 iterations of periodic-async, its
-    engine on the cluster: two workers of 1 CPU each (a worker node holds one)."""
-    overrides = {
-        "model.tokenizer": str(tokenizer_dir), "model.dtype": "float64", "model.seed": 3,
-        "data.num_train": 64, "data.num_eval": 0, "data.seed": 5,
-        "reward.functions": f"{__file__}:diversity_reward", "reward.timeout_s": 0,  # in-process
-        "engine.backend": "ray", "engine.num_workers": 2, "engine.cpus_per_worker": 1,
-        "engine.max_num_seqs": 6, "engine.max_tokens": 12, "engine.stop": "e",
-        "engine.timeout_s": 120, "engine.placement_timeout_s": 30,
-        "algorithm.group_size": 3, "algorithm.prompts_per_iteration": 6, "algorithm.lr": 3e-3,
-        "algorithm.micro_batch_tokens": 120, "algorithm.beta": 0.05,
-        "trainer.iterations": 2, "trainer.output_dir": str(tmp / name), "trainer.eval_at_end": False,
-        "pipeline.mode": "periodic-async", "logging.wandb_mode": "disabled", "logging.progress": False,
-    }
-    overrides.update(extra)
-    return load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
-
-
-def _requests() -> list[Request]:
-    params = SamplingParams(max_tokens=12, temperature=1.0)
-    return [Request(f"r{i}", [5 + i, 9, 17, 33 + i], 2, params, seed=100 + i) for i in range(6)]
+    """The tiny run (conftest), 2 iterations of periodic-async, its engine on the cluster: two
+    workers of 1 CPU each (a worker node holds one)."""
+    return tiny_run_config(tmp / name, tokenizer_dir, **{
+        "engine.cpus_per_worker": 1, "engine.timeout_s": 120, "engine.placement_timeout_s": 30,
+        "trainer.iterations": 2, **extra})
 
 
 def _samples(engine) -> dict:
-    return {o.request_id: [s.token_ids for s in o.samples] for o in engine.generate(_requests())}
+    return engine_samples(engine, 6)
 
 
 def _pushed(cfg) -> dict[str, torch.Tensor]:
@@ -149,11 +131,6 @@ def _reference(cfg, pushed) -> tuple[dict, dict]:
     before = _samples(local)
     local.update_weights(pushed, 1)
     return before, _samples(local)
-
-
-def _worker_weights(engine) -> list[dict[str, torch.Tensor]]:
-    get = lambda self: {k: v.clone() for k, v in self.batcher.model.state_dict().items()}  # noqa: E731
-    return ray.get([w.__ray_call__.remote(get) for w in engine.workers])
 
 
 def _check_two_nodes(engine, cluster) -> None:
@@ -198,7 +175,7 @@ class TestObjectStoreSync:
         assert _samples(engine) == want_before
         engine.update_weights(pushed, 1)
         assert [i["version"] for i in engine.info()] == [1, 1]
-        for weights in _worker_weights(engine):
+        for weights in worker_weights(engine):
             assert all(torch.equal(weights[k], pushed[k]) for k in pushed)
         assert _samples(engine) == want_after
 
@@ -206,34 +183,19 @@ class TestObjectStoreSync:
         """`pipeline.run` of 2 periodic-async iterations on the engine of the cluster (a worker on
         each worker node, weights pushed through the object stores at the barriers) samples the
         rollouts of the same run on the one-process engine, and trains to the same weights (fp64)."""
-        from pathlib import Path
-
-        from transformers import AutoModelForCausalLM
-
         from periodic_async.pipeline import run
-        from periodic_async.trace import read_jsonl
 
         on_cluster = _cfg(tmp_path, tokenizer_dir, "cluster", **{"engine.ray_address": cluster.address})
         one_process = _cfg(tmp_path, tokenizer_dir, "local", **{"engine.backend": "local"})
         run(one_process)
         run(on_cluster, engine=engine)
         _check_two_nodes(engine, cluster)
-
-        def by_prompt(cfg):
-            rows = read_jsonl(Path(cfg.trainer.output_dir) / "rollouts.jsonl")
-            return {(r["iteration"], r["prompt_index"]): (r["response_ids"], r["rewards"], r["version"])
-                    for r in rows}
-
-        def weights(cfg):
-            path = Path(cfg.trainer.output_dir) / "checkpoint"
-            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).state_dict()
-
-        want, got = by_prompt(one_process), by_prompt(on_cluster)
+        want, got = (by_prompt(read_rollouts(c.trainer.output_dir)) for c in (one_process, on_cluster))
         assert len(want) == 2 * 6 and got == want
         assert {v for _, _, v in got.values()} == {0, 1}
         assert len({str(r) for _, r, _ in got.values()}) > 1, "rewards must vary, or the test proves nothing"
-        w_one, w_cluster = weights(one_process), weights(on_cluster)
-        assert max((w_one[k] - w_cluster[k]).abs().max().item() for k in w_one) <= 1e-10
+        w_one, w_cluster = (checkpoint_weights(f"{c.trainer.output_dir}/checkpoint") for c in (one_process, on_cluster))
+        assert max_abs_diff(w_one, w_cluster) <= 1e-10
 
 
 def test_collective_sync_across_nodes(cluster, tokenizer_dir, tmp_path):
@@ -256,7 +218,7 @@ def test_collective_sync_across_nodes(cluster, tokenizer_dir, tmp_path):
         assert [i["version"] for i in engine.info()] == [2, 2]
         host = ray.util.get_node_ip_address()
         assert host == cluster.head_node.node_ip_address and host != "127.0.0.1"
-        for weights in _worker_weights(engine):
+        for weights in worker_weights(engine):
             assert all(torch.equal(weights[k], pushed[k]) for k in pushed)
         assert _samples(engine) == want_after
     assert not ray.is_initialized()

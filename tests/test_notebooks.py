@@ -1,8 +1,8 @@
 """Notebooks that cannot rot: every notebook executes headless (nbclient) against the committed
 results/, and every committed figure is written by some notebook.
 
-The notebooks run in a scratch copy of the repository's layout: notebooks/ copied, results/,
-experiments/ and src/ linked (notebooks only read them), figures/ empty. A notebook that writes `figures/x.png` (relative
+The notebooks run in a scratch copy of the repository's layout: notebooks/ copied, results/
+and src/ linked (notebooks only read them), figures/ empty. A notebook that writes `figures/x.png` (relative
 to the repository root) writes it there, never over the committed figure; the figures found
 there afterwards are the ones the notebooks can redraw."""
 
@@ -24,7 +24,7 @@ def executed(tmp_path_factory):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     scratch = tmp_path_factory.mktemp("repo")
-    for name in ("results", "experiments", "src"):
+    for name in ("results", "src"):
         (scratch / name).symlink_to(ROOT / name)
     (scratch / "figures").mkdir()
     shutil.copytree(ROOT / "notebooks", scratch / "notebooks")
@@ -70,8 +70,8 @@ def test_notebooks_are_committed_without_outputs():
 
 
 def test_notebooks_import_only_declared_dependencies():
-    """Every top-level module a notebook imports is the package itself, an experiment script,
-    the standard library, or a declared dependency (pyproject.toml: dependencies + dev extra)."""
+    """Every top-level module a notebook imports is the package itself (never an experiment
+    script), the standard library, or a declared dependency (pyproject.toml: dependencies + dev extra)."""
     import json
     import sys
 
@@ -80,7 +80,7 @@ def test_notebooks_import_only_declared_dependencies():
     declared = project["dependencies"] + project["optional-dependencies"]["dev"]
     names = {re.split(r"[<>=!~ \[;]", d)[0].lower().replace("-", "_") for d in declared}
     provided = names | {"ipython"} if "ipykernel" in names else names  # ipykernel brings IPython
-    local = {p.stem for p in (ROOT / "experiments").glob("*.py")} | {"periodic_async"}
+    local = {"periodic_async"}
     for nb in NOTEBOOKS:
         code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
         for mod in re.findall(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)", code, flags=re.M):

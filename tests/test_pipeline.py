@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from periodic_async.config import RunConfig, load_config
+from periodic_async.config import RunConfig
 from periodic_async.consumer import Consumer, StaleGroupError
 from periodic_async.engine import make_engine
 from periodic_async.group import Group
@@ -17,39 +17,21 @@ from periodic_async.model import load_policy
 from periodic_async.pipeline import run
 from periodic_async.trace import read_jsonl
 
+from conftest import by_prompt, checkpoint_weights, diversity_reward, max_abs_diff, read_rollouts, tiny_run_config
+
 HERE = Path(__file__).resolve()
 
 
-def diversity_reward(prompts, completions, **kwargs):
-    """A dense reward an untrained model can vary on: distinct characters of the completion."""
-    return [len(set(c)) / 10.0 for c in completions]
-
-
 def _cfg(tmp: Path, tokenizer_dir, mode: str, **extra) -> RunConfig:
-    overrides = {
-        "model.tokenizer": str(tokenizer_dir), "model.dtype": "float64", "model.seed": 3,
-        "data.num_train": 64, "data.num_eval": 0, "data.seed": 5,
-        "reward.functions": f"{HERE}:diversity_reward", "reward.timeout_s": 0,  # in-process: no worker start-up
-        "engine.backend": "ray", "engine.num_workers": 2,
-        "engine.max_num_seqs": 6, "engine.max_tokens": 12, "engine.stop": "e",
-        "algorithm.group_size": 3, "algorithm.prompts_per_iteration": 6, "algorithm.lr": 3e-3,
-        "algorithm.micro_batch_tokens": 120, "algorithm.beta": 0.05,
-        "trainer.iterations": 3, "trainer.output_dir": str(tmp / mode), "trainer.eval_at_end": False,
-        "pipeline.mode": mode, "logging.wandb_mode": "disabled", "logging.progress": False,
-    }
-    overrides.update(extra)
-    return load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
+    return tiny_run_config(tmp / mode, tokenizer_dir, **{"pipeline.mode": mode, **extra})
 
 
 def _rollouts(cfg: RunConfig) -> list[dict]:
-    return read_jsonl(Path(cfg.trainer.output_dir) / "rollouts.jsonl")
+    return read_rollouts(cfg.trainer.output_dir)
 
 
 def _final_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(Path(cfg.trainer.output_dir) / "checkpoint", dtype=torch.float64)
-    return m.state_dict()
+    return checkpoint_weights(Path(cfg.trainer.output_dir) / "checkpoint")
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +42,6 @@ def engine(tokenizer_dir, tmp_path_factory):
     eng.close()
 
 
-def _by_prompt(rows):
-    return {(r["iteration"], r["prompt_index"]): (r["response_ids"], r["rewards"], r["version"]) for r in rows}
-
-
-def _max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 def test_async_matches_sync(engine, tokenizer_dir, tmp_path):
     """Same seed: identical sampled tokens and rewards for 3 iterations, final weights <= 1e-10
     apart (fp64), although the async trainer consumed groups in a different order."""
@@ -76,13 +50,13 @@ def test_async_matches_sync(engine, tokenizer_dir, tmp_path):
     run(asyn, engine=engine)
     rs, ra = _rollouts(sync), _rollouts(asyn)
     assert len(rs) == len(ra) == 3 * 6
-    assert _by_prompt(rs) == _by_prompt(ra)
+    assert by_prompt(rs) == by_prompt(ra)
     assert any(r["rewards"] != rs[0]["rewards"] for r in rs), "rewards must vary, or the test proves nothing"
     assert [r["position"] for r in ra] != [r["position"] for r in rs], "async must train in another order"
     ws, wa = _final_weights(sync), _final_weights(asyn)
     w0 = load_policy(sync.model)[0].state_dict()
-    assert _max_diff(ws, w0) > 1e-3, "training must move the weights"
-    assert _max_diff(ws, wa) <= 1e-10
+    assert max_abs_diff(ws, w0) > 1e-3, "training must move the weights"
+    assert max_abs_diff(ws, wa) <= 1e-10
 
 
 def test_extra_optimizer_step_breaks_equivalence(tokenizer_dir, tmp_path):
@@ -98,7 +72,7 @@ def test_extra_optimizer_step_breaks_equivalence(tokenizer_dir, tmp_path):
         run(asyn, engine=local)
     first_half = lambda rows: {r["prompt_index"] for r in rows[:3]}  # noqa: E731
     assert first_half(_rollouts(sync)) != first_half(_rollouts(asyn)), "orders must differ for a fair control"
-    assert _max_diff(_final_weights(sync), _final_weights(asyn)) > 1e-6
+    assert max_abs_diff(_final_weights(sync), _final_weights(asyn)) > 1e-6
 
 
 def test_producer_delivers_each_group_once_with_its_version(engine, tokenizer_dir, tmp_path):
@@ -124,7 +98,7 @@ def test_stale_version_rejected(tokenizer_dir, tmp_path):
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     with pytest.raises(StaleGroupError, match="sampled by version 0; iteration 1 takes version 1 only"):
         consumer.train_iteration([_group(1), _group(0)], iteration=1, version=1)
-    assert _max_diff(before, policy.state_dict()) == 0  # nothing was stepped
+    assert max_abs_diff(before, policy.state_dict()) == 0  # nothing was stepped
 
 
 def failing_reward(prompts, completions, **kwargs):
@@ -156,8 +130,8 @@ def test_colocated_mode_samples_the_same_tokens(engine, tokenizer_dir, tmp_path)
     col = _cfg(tmp_path, tokenizer_dir, "sync-colocated", **{"trainer.iterations": 2, "engine.backend": "local"})
     run(sep, engine=engine)
     run(col)
-    assert _by_prompt(_rollouts(sep)) == _by_prompt(_rollouts(col))
-    assert _max_diff(_final_weights(sep), _final_weights(col)) <= 1e-10
+    assert by_prompt(_rollouts(sep)) == by_prompt(_rollouts(col))
+    assert max_abs_diff(_final_weights(sep), _final_weights(col)) <= 1e-10
 
 
 def test_trace_records_every_phase_and_draws_the_timeline(engine, tokenizer_dir, tmp_path):
@@ -226,7 +200,7 @@ def test_offpolicy_mode_trains_on_one_step_stale_samples(engine, tokenizer_dir, 
     gen1 = [e["start"] for e in events if e["name"] == "generate" and e["args"]["request"].startswith("it1-")]
     train0_end = max(e["start"] + e["dur"] for e in events if e["name"] == "micro_step" and e["args"]["iteration"] == 0)
     assert min(gen1) < train0_end
-    assert _max_diff(_final_weights(off), _final_weights(on)) > 1e-6
+    assert max_abs_diff(_final_weights(off), _final_weights(on)) > 1e-6
 
 
 def test_evaluation_runs_through_the_engines(engine, tokenizer_dir, tmp_path):
@@ -255,7 +229,7 @@ def test_non_finite_gradient_is_not_stepped(tokenizer_dir, tmp_path):
     with pytest.raises(FloatingPointError,
                        match=r"iteration 0, optimizer step 0, micro-batch 0 \(prompts \[0\]\): non-finite gradient"):
         consumer.train_iteration([_group(0), bad], iteration=0, version=0)
-    assert _max_diff(before, policy.state_dict()) == 0
+    assert max_abs_diff(before, policy.state_dict()) == 0
 
 
 def test_devices_count_trainer_ranks_and_engine_workers_in_use(tokenizer_dir, tmp_path):

@@ -14,6 +14,8 @@ from periodic_async.scale.calibrate import (MeasuredIteration, MeasuredRun, devi
 from periodic_async.scale.simulate import (Costs, Deployment, MicroBatches, Workload, engine_chunks,
                                      simulate_iteration)
 
+from conftest import DIVERSITY_REWARD
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -172,10 +174,6 @@ def test_plan_command(capsys):
 
 # --- against real runs of this repository ----------------------------------------------------
 
-def diversity_reward(prompts, completions, **kwargs):
-    return [len(set(c)) / 10.0 for c in completions]
-
-
 @pytest.fixture(scope="module")
 def measured_runs(tokenizer_dir, tmp_path_factory):
     """Two tiny real runs (sync-separated, periodic-async; 1 Ray engine worker, 1 trainer thread),
@@ -186,7 +184,7 @@ def measured_runs(tokenizer_dir, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("sim")
     base = {"model.tokenizer": str(tokenizer_dir), "data.num_train": 256, "data.num_eval": 0,
-            "reward.functions": f"{Path(__file__).resolve()}:diversity_reward", "engine.backend": "ray",
+            "reward.functions": DIVERSITY_REWARD, "engine.backend": "ray",
             "engine.num_workers": 1, "engine.max_num_seqs": 8, "engine.max_tokens": 24, "engine.stop": "e",
             "algorithm.group_size": 4, "algorithm.prompts_per_iteration": 12, "algorithm.micro_batch_tokens": 96,
             "trainer.iterations": 4, "trainer.eval_at_end": False, "logging.wandb_mode": "disabled",

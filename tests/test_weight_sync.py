@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from periodic_async.config import RunConfig, load_config
-from periodic_async.engine import Request, SamplingParams, make_engine
+from periodic_async.engine import make_engine
 from periodic_async.engine.collective import layout
 from periodic_async.model import load_policy
+
+from conftest import engine_samples, worker_weights
 
 
 def _cfg(tokenizer_dir, weight_sync: str) -> RunConfig:
@@ -17,20 +19,8 @@ def _cfg(tokenizer_dir, weight_sync: str) -> RunConfig:
     return load_config(RunConfig, None, [f"{k}={v}" for k, v in overrides.items()])
 
 
-def _requests() -> list[Request]:
-    params = SamplingParams(max_tokens=12, temperature=1.0)
-    return [Request(f"r{i}", [5 + i, 9, 17, 33 + i], 2, params, seed=100 + i) for i in range(4)]
-
-
 def _samples(engine) -> dict:
-    return {o.request_id: [(s.token_ids, s.logprobs) for s in o.samples] for o in engine.generate(_requests())}
-
-
-def _worker_weights(engine) -> list[dict[str, torch.Tensor]]:
-    import ray
-
-    get = lambda self: {k: v.clone() for k, v in self.batcher.model.state_dict().items()}  # noqa: E731
-    return ray.get([w.__ray_call__.remote(get) for w in engine.workers])
+    return engine_samples(engine, 4, logprobs=True)
 
 
 def test_layout_packs_every_tensor_once_aligned():
@@ -64,7 +54,7 @@ def test_collective_sync_matches_object_store(tokenizer_dir):
                 by_store.update_weights(pushed, version)
                 by_broadcast.update_weights(pushed, version)
             assert len(by_broadcast.sync._buffers) > 2, "the test wants several buckets"
-            for weights in _worker_weights(by_store) + _worker_weights(by_broadcast):
+            for weights in worker_weights(by_store) + worker_weights(by_broadcast):
                 assert all(torch.equal(weights[k], pushed[k]) for k in pushed)
             via_store, via_broadcast = _samples(by_store), _samples(by_broadcast)
             assert via_store == via_broadcast

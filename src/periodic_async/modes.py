@@ -5,7 +5,7 @@ The iteration loop (`pipeline.run`, the paper's Figure 1) is the same for every 
     mode.begin(producer, first, last)                 # the first generation
     for t in first .. last-1:
         groups = mode.groups(producer, t)              # what the trainer consumes, in which order
-        consumer.train_iteration(groups, t, sampled_by=mode.sampled_by(t))   # one optimizer step
+        consumer.train_iteration(groups, t, mode.sampled_by(t))   # one optimizer step
         mode.before_barrier(producer, t)
         barrier: push version t+1 to every engine
         mode.after_barrier(producer, t + 1)            # the next generation
@@ -38,10 +38,9 @@ from typing import Iterable
 from periodic_async.group import Group
 from periodic_async.producer import Producer
 
+
 class OnPolicy:
     """Generate iteration t with version t after the barrier; train on it; no prefetch."""
-
-    streaming = False
 
     def begin(self, producer: Producer, first: int, last: int) -> None:
         self.last = last
@@ -68,8 +67,6 @@ class Synchronous(OnPolicy):
 
 class PeriodicAsync(OnPolicy):
     """The paper's mode: the trainer takes groups in completion order while the rest generate."""
-
-    streaming = True
 
     def groups(self, producer: Producer, iteration: int) -> Iterable[Group]:
         return producer.stream()

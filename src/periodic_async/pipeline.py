@@ -142,77 +142,151 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     trace.chrome.json, checkpoint-<t>/ (+ the `checkpoint` link; checkpoint.py), summary.json.
     `engine` lets tests and benchmarks share one started engine. Whatever stops the run (an
     error, a signal, a failure while starting), what was started is released: the producer
-    thread, the engine when the run built it (Ray with it), W&B, the progress bar."""
-    ranks = init_ranks(cfg)  # trainer ranks under torchrun (distributed.py); one process otherwise
-    if not ranks.is_main:
-        return follow(cfg, ranks)  # ranks > 0 train the groups they claim; no engines, no books
+    thread, the engine when the run built it (Ray with it), W&B, the progress bar.
+
+    Under torchrun every trainer rank runs this same loop (parallel/distributed.py): rank 0 holds
+    the engines, the producer and the books (`_Generation`); the other ranks train the groups
+    they claim and join rank 0's collectives at the same points of the loop (`_Follower`), and
+    return {"rank", "first_iteration", "groups_trained"}."""
+    ranks = init_ranks(cfg)  # trainer ranks under torchrun; one process otherwise
     out = Path(cfg.trainer.output_dir)
-    save_run_info(cfg, out)
+    if ranks.is_main:
+        save_run_info(cfg, out)
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.model.seed)
     policy, tokenizer = load_policy(cfg.model)
-    examples, evals = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
-    shots = few_shot_examples(cfg.data)
-    context = getattr(policy.config, "max_position_embeddings", None)  # prompt + max_tokens must fit: checked once
-    examples, evals = (fit_to_context(e, shots, tokenizer, cfg.engine.max_tokens, context, cfg.data.skip_too_long, what,
-                                      cfg.data) for e, what in ((examples, "training"), (evals, "held-out")))
-    reward_fn = make_reward(cfg.reward)
-    tracer = Tracer(enabled=cfg.logging.trace, path=out / "trace.jsonl")  # streamed as recorded
+    data = _load_data(cfg, policy, tokenizer) if ranks.is_main else None  # rank 0 alone samples
+    tracer = Tracer(enabled=cfg.logging.trace, path=out / "trace.jsonl") if ranks.is_main else Tracer(enabled=False)
     consumer = Consumer(policy, cfg, tracer, ranks=ranks)  # tri-model's ref = the initial weights
     ckpt = checkpoint.resume(cfg, consumer)  # trainer ranks: every rank loads rank 0's checkpoint
-    if ckpt is not None:
+    if ranks.is_main and ckpt is not None:
         print(f"[train] resumed from {ckpt} at iteration {consumer.version}")
-    else:  # a fresh run does not append to an earlier run's logs, nor resume its checkpoints
+    elif ranks.is_main:  # a fresh run does not append to an earlier run's logs, nor resume its checkpoints
         for name in ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl", "trace.jsonl", "trace.chrome.json",
                      "summary.json"):
             (out / name).unlink(missing_ok=True)
         checkpoint.remove_all(out)
-    ranks.start(consumer, consumer.version)  # every rank at rank 0's iteration
-    checkpoints = checkpoint.Checkpoints(cfg, policy, tokenizer, consumer)  # trainer ranks: every rank saves with us
-    start_iteration, last = consumer.version, cfg.trainer.iterations
-    completed = start_iteration  # iterations whose optimizer step is done
+    start = ranks.start(consumer, consumer.version)  # every rank at rank 0's iteration
+    # trainer ranks: every rank saves with us (rank 0 writes)
+    checkpoints = checkpoint.Checkpoints(cfg, policy, tokenizer if ranks.is_main else None, consumer)
+    completed = start  # iterations whose optimizer step is done
     with contextlib.ExitStack() as started:  # closed in reverse order, whatever happens
         started.callback(ranks.close)
-        started.callback(tracer.write, out)
-        if engine is None:
-            engine = started.enter_context(build_engine(cfg))
-        producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=evals)
-        started.callback(producer.close)
+        if ranks.is_main:
+            started.callback(tracer.write, out)
+            if engine is None:
+                engine = started.enter_context(build_engine(cfg))
+            side = _Generation(cfg, engine, tokenizer, data, tracer, ranks, started)
+        else:
+            side = _Follower(ranks)
+        try:
+            side.begin(consumer, start, cfg.trainer.iterations)  # version `start` on the engines; generate
+            for iteration in range(start, cfg.trainer.iterations):  # the paper's Figure 1
+                groups, version = side.groups(iteration)  # in the mode's order, as they come
+                train = consumer.train_iteration(groups, iteration, version, engines_idle=side.generation_done)
+                completed = consumer.version  # t+1: the policy's version, whatever happens at the barrier
+                side.barrier(consumer, iteration, train)  # version t+1 to every engine; the next generation
+                checkpoints.every(completed)
+            side.end(completed)
+            checkpoints.save(completed)
+        except BaseException:
+            if ranks.is_main:
+                checkpoints.after_failure()  # the weights of the last completed iteration, under its label
+            raise
+    return side.summary(completed)
+
+
+def _load_data(cfg: RunConfig, policy, tokenizer) -> tuple[list, list, list, object]:
+    """Rank 0's (training examples, held-out examples, few-shot examples, reward function); every
+    prompt + max_tokens is checked once against the model's context."""
+    examples, evals = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
+    shots = few_shot_examples(cfg.data)
+    context = getattr(policy.config, "max_position_embeddings", None)
+    examples, evals = (fit_to_context(e, shots, tokenizer, cfg.engine.max_tokens, context, cfg.data.skip_too_long, what)
+                       for e, what in ((examples, "training"), (evals, "held-out")))
+    return examples, evals, shots, make_reward(cfg.reward)
+
+
+class _Generation:
+    """Rank 0's part of the loop: the engines, the producer thread, the mode's hooks (what differs
+    between modes: modes.py) and the books. Each iteration's clock starts when the trainer asks
+    for its groups and stops when the weight sync of the barrier ends."""
+
+    def __init__(self, cfg: RunConfig, engine: Engine, tokenizer, data, tracer: Tracer, ranks: Ranks,
+                 started: contextlib.ExitStack) -> None:
+        examples, self.evals, shots, reward_fn = data
+        self.cfg, self.engine, self.tracer, self.ranks = cfg, engine, tracer, ranks
+        self.producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=self.evals)
+        started.callback(self.producer.close)
+        out = Path(cfg.trainer.output_dir)
         logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                                name=f"{cfg.pipeline.mode}-{out.name}")
         started.callback(logger.close)
-        books = _Books(cfg, out, logger, producer, ranks.world_size)
-        started.callback(books.close)
-        mode = make_mode(cfg.pipeline.mode)
-        try:
-            _barrier(engine, consumer, start_iteration, tracer)  # the engines start from our weights
-            t_start = time.time()
-            mode.begin(producer, start_iteration, last)
-            for iteration in range(start_iteration, last):  # the paper's Figure 1
-                groups = ranks.hand_out(_Received(mode.groups(producer, iteration)), iteration,
-                                        mode.sampled_by(iteration))  # one process: the groups themselves
-                train = consumer.train_iteration(groups, iteration, mode.sampled_by(iteration),
-                                                 engines_idle=producer.generation_done)
-                completed = consumer.version  # t+1: the policy's version, whatever happens at the barrier
-                mode.before_barrier(producer, iteration)
-                sync_s = _barrier(engine, consumer, completed, tracer)
-                t_end = time.time()
-                mode.after_barrier(producer, completed)  # the next iteration generates while we keep the books
-                books.iteration(groups.received, t_start, t_end, train, sync_s, completed)
-                checkpoints.every(completed)
-                t_start = time.time()
-            if cfg.trainer.eval_at_end and evals and completed not in producer.eval_results:
-                producer.evaluate_now(completed)
-            books.log_new_evals(completed)
-            checkpoints.save(completed)
-        except BaseException:
-            checkpoints.after_failure()  # the weights of the last completed iteration, under its label
-            raise
-    summary = _summary(cfg, books.history)
-    if completed in producer.eval_results:
-        summary["eval_accuracy"] = producer.eval_results[completed]["accuracy"]
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+        self.books = _Books(cfg, out, logger, self.producer, ranks.world_size)
+        started.callback(self.books.close)
+        self.mode = make_mode(cfg.pipeline.mode)
+        self.generation_done = self.producer.generation_done
+
+    def begin(self, consumer: Consumer, first: int, last: int) -> None:
+        _barrier(self.engine, consumer, first, self.tracer)  # the engines start from our weights
+        self.mode.begin(self.producer, first, last)
+
+    def groups(self, iteration: int):
+        """The groups the trainer consumes (under trainer ranks: rank 0's claims) and the version
+        that sampled them."""
+        self.t_start = time.time()
+        version = self.mode.sampled_by(iteration)
+        self.handed = self.ranks.hand_out(_Received(self.mode.groups(self.producer, iteration)), iteration, version)
+        return self.handed, version
+
+    def barrier(self, consumer: Consumer, iteration: int, train: dict) -> None:
+        completed = consumer.version
+        self.mode.before_barrier(self.producer, iteration)
+        sync_s = _barrier(self.engine, consumer, completed, self.tracer)
+        t_end = time.time()
+        self.mode.after_barrier(self.producer, completed)  # the next iteration generates while we keep the books
+        self.books.iteration(self.handed.received, self.t_start, t_end, train, sync_s, completed)
+
+    def end(self, completed: int) -> None:
+        if self.cfg.trainer.eval_at_end and self.evals and completed not in self.producer.eval_results:
+            self.producer.evaluate_now(completed)
+        self.books.log_new_evals(completed)
+
+    def summary(self, completed: int) -> dict:
+        summary = _summary(self.cfg, self.books.history)
+        if completed in self.producer.eval_results:
+            summary["eval_accuracy"] = self.producer.eval_results[completed]["accuracy"]
+        (Path(self.cfg.trainer.output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+class _Follower:
+    """Ranks > 0: no engines, producer or books. A follower trains the groups it claims from rank
+    0 and joins rank 0's collectives where rank 0 makes them: the weight gather of each barrier
+    (under fsdp), the one reduction per iteration (inside `train_iteration`), the checkpoints."""
+
+    generation_done = None
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks, self.taken, self.first = ranks, [], None
+
+    def begin(self, consumer: Consumer, first: int, last: int) -> None:
+        self.first = first
+        consumer.engine_state_dict()  # rank 0's first barrier
+
+    def groups(self, iteration: int):
+        self.claims = self.ranks.claims(iteration)
+        return self.claims, self.claims.version
+
+    def barrier(self, consumer: Consumer, iteration: int, train: dict) -> None:
+        consumer.engine_state_dict()
+        self.taken.append(self.claims.taken)
+
+    def end(self, completed: int) -> None:
+        pass
+
+    def summary(self, completed: int) -> dict:
+        return {"rank": self.ranks.rank, "first_iteration": self.first, "groups_trained": self.taken}
 
 
 def _barrier(engine: Engine, consumer: Consumer, version: int, tracer: Tracer) -> float:
@@ -309,29 +383,3 @@ def _summary(cfg: RunConfig, history: list[dict]) -> dict:
         "reward_first": history[0]["reward/mean"], "reward_last": history[-1]["reward/mean"],
         "accuracy_first": history[0]["accuracy"], "accuracy_last": history[-1]["accuracy"],
     }
-
-
-def follow(cfg: RunConfig, ranks: Ranks) -> dict:
-    """The loop of ranks > 0: no engines, producer or books; the same collectives as rank 0's
-    `pipeline.run`, in the same order (resume, start, barrier weights, one reduction per
-    iteration, checkpoints)."""
-    torch.set_num_threads(cfg.trainer.threads)
-    torch.manual_seed(cfg.model.seed)
-    policy, _ = load_policy(cfg.model)
-    consumer = Consumer(policy, cfg, ranks=ranks)
-    taken = []
-    try:
-        checkpoint.resume(cfg, consumer)  # rank 0's checkpoint (if it resumes), loaded together
-        start = ranks.start(consumer, consumer.version)
-        checkpoints = checkpoint.Checkpoints(cfg, policy, None, consumer)  # saves: rank 0 writes
-        consumer.engine_state_dict()  # rank 0's first barrier (a gather under fsdp)
-        for iteration in range(start, cfg.trainer.iterations):
-            claims = ranks.claims(iteration)
-            consumer.train_iteration(claims, iteration, claims.version)
-            consumer.engine_state_dict()  # the barrier
-            taken.append(claims.taken)
-            checkpoints.every(consumer.version)
-        checkpoints.save(consumer.version)
-    finally:
-        ranks.close()
-    return {"rank": ranks.rank, "first_iteration": start, "groups_trained": taken}

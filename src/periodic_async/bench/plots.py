@@ -307,3 +307,52 @@ def plot_scaling(measured_csv: str | Path, simulated_csv: str | Path, out_path: 
     ax.legend(fontsize=6)
     fig.tight_layout()
     return _save(fig, out_path)
+
+
+def plot_fig1(results: str | Path, figures: str | Path, modes: Sequence[str] = ("sync-separated", "periodic-async")):
+    """<figures>/fig1_timeline.png, the paper's Figure 1 from <results>/fig1_timeline.csv and the
+    traces in <results>/fig1/ (experiments/fig1_timeline.py): one panel per mode, titled with
+    the order in which the trainer took its first iteration's requests (numbered 1..B)."""
+    import csv
+
+    results = Path(results)
+    with (results / "fig1_timeline.csv").open() as f:
+        first: dict[str, dict] = {}
+        for r in csv.DictReader(f):
+            first.setdefault(r["mode"], r)
+    panels = [(f"{m}: {len(first[m]['trained_order'].split())} requests, trained in order "
+               f"{first[m]['trained_order']}", results / "fig1" / f"{m}.trace.jsonl") for m in modes]
+    return plot_timeline(panels, Path(figures) / "fig1_timeline.png", bar_label=request_number)
+
+
+def plot_shared_prompt(csv_path: str | Path, out_path: str | Path):
+    """results/shared_prompt.csv (experiments/shared_prompt_ablation.py): speedup of shared-prompt
+    packing against its token bound (G*P + sum R) / (P + sum R) per grid point, and the share of
+    the bound kept (efficiency) per back-end. The paper reports about 8x on long prompts."""
+    import csv
+
+    plt = _pyplot()
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    points = sorted({(int(r["P"]), int(r["G"]), int(r["R"])) for r in rows})
+    backends = sorted({r["backend"] for r in rows})
+    by = {(int(r["P"]), int(r["G"]), int(r["R"]), r["backend"]): r for r in rows}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw=dict(width_ratios=[1, 2]))
+    bound = [float(by[p + (backends[0],)]["token_bound"]) for p in points]
+    ax1.plot([0, max(bound) * 1.05], [0, max(bound) * 1.05], "k:", lw=1, label="token bound")
+    for b in backends:
+        ax1.scatter(bound, [float(by[p + (b,)]["speedup"]) for p in points], label=b, s=25)
+    ax1.set(xlabel="token bound (G·P + ΣR) / (P + ΣR)", ylabel="speedup over per-response (fwd+bwd)",
+            title="shared-prompt speedup")
+    ax1.legend()
+    width = 0.8 / len(backends)
+    for i, b in enumerate(backends):
+        ax2.bar([x + i * width for x in range(len(points))], [float(by[p + (b,)]["efficiency"]) for p in points],
+                width, label=b)
+    ax2.axhline(1.0, color="k", ls=":", lw=1)
+    ax2.set_xticks([x + 0.4 - width / 2 for x in range(len(points))],
+                   [f"P={p}\nG={g}\nR={r}" for p, g, r in points], fontsize=7)
+    ax2.set(ylabel="efficiency = speedup / token bound", title="share of the token bound kept")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, out_path)
