@@ -40,7 +40,7 @@ experiment() {  # run experiments/$1.sh unless its main CSV is there (and the wa
 }
 
 step "tokenizer"
-python -m periodic_async.data.tokenizer artifacts/tokenizer
+python -m periodic_async tokenizer artifacts/tokenizer
 for exp in warm_start table2_throughput engine_throughput shared_prompt_ablation trimodel_cost async_speedup \
            shared_async reward_curves fig1_timeline equivalence scaling soak; do
   experiment "$exp"

@@ -5,6 +5,7 @@
     python -m periodic_async eval --config experiments/sft.yaml model.name_or_path=runs/x/checkpoint
     python -m periodic_async plan --model-params 32e9 --devices 64 --batch 512 --group 16   (simulated; scale/plan.py)
     python -m periodic_async prepare-model smollm2-135m   (SmolLM2-135M-Instruct -> artifacts/; prepare.py)
+    python -m periodic_async tokenizer artifacts/tokenizer   (the tiny presets' offline tokenizer; data/tokenizer.py)
 
 A mistake in what the user gave (config, data, reward code, a missing path: `UserError` or
 FileNotFoundError) prints one line to stderr and exits non-zero (2 for config errors, 1
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> None:
         from periodic_async.prepare import main as prepare_model
 
         prepare_model(argv[1:])
+        return
+    if argv[:1] == ["tokenizer"]:  # build the offline BPE tokenizer of the tiny presets (data/tokenizer.py)
+        from periodic_async.data.tokenizer import main as tokenizer
+
+        tokenizer(argv[1:])
         return
     parser = argparse.ArgumentParser(prog="python -m periodic_async", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["train", "sft", "eval"])

@@ -495,7 +495,7 @@ class RunConfig:
 
 @dataclass
 class SFTRunConfig:
-    """The supervised warm start: `python -m periodic_async.sft`."""
+    """The supervised warm start: `python -m periodic_async sft`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -6,12 +6,11 @@ only, through the same chat template the RL prompts use) for a few CPU minutes, 
 held-out greedy accuracy before and after, and saves a standard Hugging Face model
 directory (model + tokenizer) that `model.name_or_path` can point at.
 
-    python -m periodic_async.sft --config experiments/sft.yaml [section.key=value ...]
+    python -m periodic_async sft --config experiments/sft.yaml [section.key=value ...]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from periodic_async.config import SFTRunConfig, load_config, save_run_info
+from periodic_async.config import SFTRunConfig, save_run_info
 from periodic_async.data import few_shot_examples, load_examples, prompt_messages
 from periodic_async.evaluate import evaluate
 from periodic_async.model import load_policy, num_parameters
@@ -116,15 +115,3 @@ def run_sft(cfg: SFTRunConfig) -> dict:
     print(f"[sft] {step} steps in {train_s:.0f} s; held-out accuracy {before['accuracy']:.3f} -> "
           f"{after['accuracy']:.3f} (n={after['n']}); saved {out}")
     return summary
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=None, help="YAML file (sections model, data, sft, logging)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_intermixed_args(argv)
-    return run_sft(load_config(SFTRunConfig, args.config, args.overrides))
-
-
-if __name__ == "__main__":
-    main()

@@ -7,12 +7,11 @@ template, eos/pad ids, decode) uses the same API as a real model's tokenizer. Di
 always single tokens so that arithmetic stays learnable for a tiny model; the vocabulary
 is kept small (sampling over a large vocabulary dominates a CPU decode step).
 
-    python -m periodic_async.data.tokenizer artifacts/tokenizer
+    python -m periodic_async tokenizer artifacts/tokenizer
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -76,7 +75,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"tokenizer directory {str(p)!r} does not exist "
-                                f"(build one with `python -m periodic_async.data.tokenizer {p}`)")
+                                f"(build one with `python -m periodic_async tokenizer {p}`)")
     tok = AutoTokenizer.from_pretrained(str(p))
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at {str(p)!r} has no eos token")
@@ -95,8 +94,13 @@ def ensure_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return load_tokenizer(p)
 
 
-if __name__ == "__main__":
-    target = sys.argv[1] if len(sys.argv) > 1 else "artifacts/tokenizer"
-    t = build_tokenizer(target)
-    print(f"saved tokenizer with {len(t)} tokens to {target}")
+def main(argv: list[str] | None = None) -> None:
+    """`python -m periodic_async tokenizer [DIR]`: build the tokenizer in DIR (default artifacts/tokenizer)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m periodic_async tokenizer", description=main.__doc__)
+    parser.add_argument("directory", nargs="?", default="artifacts/tokenizer")
+    args = parser.parse_args(argv)
+    t = build_tokenizer(args.directory)
+    print(f"saved tokenizer with {len(t)} tokens to {args.directory}")
 
