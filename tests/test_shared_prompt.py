@@ -3,8 +3,10 @@
 The claims, proved against independent computations:
 - packed log-probs and parameter gradients equal those of per-response packing and of a plain
   HF forward of each [prompt + response] row, for every back-end on this machine, for Qwen2,
-  Qwen3 and Llama, with ragged lengths, G = 1, one-token responses and several groups;
-- a response gets exactly zero gradient from its siblings and from other groups;
+  Qwen3 and Llama, and for SmolLM2-135M's architecture down-scaled (the `llama-micro` preset:
+  grouped-query attention 3:1, RoPE theta 1e5, tied embeddings), with ragged lengths, G = 1,
+  one-token responses and several groups;
+- a response gets exactly zero gradient from its siblings and from other groups (Qwen2, llama-micro);
 - position ids restart at P; the first token of every response is predicted from position P-1;
 - the flex back-end falls back to split off CUDA, and its BlockMask is the dense mask.
 The `tokenizer` fixture and the single torch thread come from conftest.py.
@@ -33,11 +35,12 @@ LAYOUT = [(7, [3, 1, 5]), (4, [2]), (9, [1, 1, 6, 2])]
 
 
 def make_model(kind: str, dtype: torch.dtype, tokenizer):
-    """qwen2-1m preset, or a small random Qwen3 / Llama (transformers configs, nothing of ours)."""
-    if kind.startswith("qwen2"):  # "qwen2" (sdpa) or "qwen2-eager"
+    """qwen2-1m or llama-micro preset, or a small random Qwen3 / Llama (transformers configs, nothing of ours)."""
+    if kind.startswith("qwen2") or kind == "llama-micro":  # "qwen2" (sdpa), "qwen2-eager", "llama-micro"
         name = {torch.float64: "float64", torch.float32: "float32"}[dtype]
         attn = "eager" if kind.endswith("eager") else "sdpa"
-        model = build_model(ModelConfig(name_or_path="qwen2-1m", dtype=name, device="cpu", attn_implementation=attn),
+        preset = "llama-micro" if kind == "llama-micro" else "qwen2-1m"
+        model = build_model(ModelConfig(name_or_path=preset, dtype=name, device="cpu", attn_implementation=attn),
                             tokenizer)
     else:
         small = dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -80,7 +83,7 @@ def logp_and_grads(model, fn, weights_N):
 @pytest.mark.parametrize("kind,dtype", [
     ("qwen2", torch.float64), ("qwen2", torch.float32),
     ("qwen2-eager", torch.float32),  # dense -> additive float mask; eager's softmax is fp32 anyway
-    ("qwen3", torch.float64), ("llama", torch.float64)])
+    ("qwen3", torch.float64), ("llama", torch.float64), ("llama-micro", torch.float64)])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_shared_prompt_matches_per_response(tokenizer, kind, dtype, backend, monkeypatch):
     """Shared packing == per-response packing == independent rows: log-probs and parameter gradients."""
@@ -102,13 +105,14 @@ def test_shared_prompt_matches_per_response(tokenizer, kind, dtype, backend, mon
     assert per_response.num_tokens == sum(len(Rs) * P + sum(R - 1 for R in Rs) for P, Rs in LAYOUT)
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "llama-micro"])
 @pytest.mark.parametrize("backend", ["dense", "split", "split-loop"])
-def test_sibling_responses_get_zero_gradient(tokenizer, backend, monkeypatch):
+def test_sibling_responses_get_zero_gradient(tokenizer, kind, backend, monkeypatch):
     """d(loss of response i)/d(input embeddings) is exactly 0 on sibling responses and other groups."""
     if backend == "split-loop":
         monkeypatch.setattr(attention, "MERGE_SIBLINGS_ON_CPU", False)
         backend = "split"
-    model = make_model("qwen2", torch.float64, tokenizer)
+    model = make_model(kind, torch.float64, tokenizer)
     batch = pack(make_segments(model.config.vocab_size), shared=True)
     seen = {}
     keep = lambda module, inputs, out: seen.update(emb=out) or out.retain_grad()  # noqa: E731

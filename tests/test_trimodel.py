@@ -1,5 +1,8 @@
 """The tri-model: ratio exactly 1 with one optimizer step per iteration, old refreshed in
-place at the barrier, ref frozen forever, skipped copies not allocated, memory accounted."""
+place at the barrier, ref frozen forever, skipped copies not allocated, memory accounted; and
+its three log-probs and the policy gradient are the same with shared-prompt packing as with
+per-response packing, in fp64, for Qwen2 and for SmolLM2-135M's architecture down-scaled
+(`llama-micro`: grouped-query attention, RoPE, tied embeddings)."""
 
 import random
 
@@ -16,21 +19,26 @@ from periodic_async.trimodel import TriModel
 
 
 
-@pytest.fixture(scope="module")
-def micro_batches(tokenizer):
-    """Three groups (G = 3) cut into micro-batches of at most 24 packed tokens, as fp64 inputs."""
+def make_groups(vocab: int) -> list[Group]:
+    """Three groups (G = 3) with ragged responses."""
     rng = random.Random(0)
     groups = []
     for b in range(3):
-        responses = [[rng.randrange(4, len(tokenizer)) for _ in range(rng.randint(2, 7))] for _ in range(3)]
-        groups.append(Group(b, 0, 0, [rng.randrange(4, len(tokenizer)) for _ in range(6)], responses,
+        responses = [[rng.randrange(4, vocab) for _ in range(rng.randint(2, 7))] for _ in range(3)]
+        groups.append(Group(b, 0, 0, [rng.randrange(4, vocab) for _ in range(6)], responses,
                             [[-1.0] * len(r) for r in responses], [1.0, 0.0, 0.5],
                             grpo.group_advantages([1.0, 0.0, 0.5]).tolist()))
-    return [mb.build(shared=True, dtype=torch.float64) for mb in split_groups(groups, max_tokens=24)]
+    return groups
 
 
-def policy_model(tokenizer):
-    return build_model(ModelConfig(name_or_path="qwen2-1m", dtype="float64", device="cpu", seed=0), tokenizer)
+@pytest.fixture(scope="module")
+def micro_batches(tokenizer):
+    """The three groups cut into micro-batches of at most 24 packed tokens, as fp64 inputs."""
+    return [mb.build(shared=True, dtype=torch.float64) for mb in split_groups(make_groups(len(tokenizer)), max_tokens=24)]
+
+
+def policy_model(tokenizer, preset: str = "qwen2-1m"):
+    return build_model(ModelConfig(name_or_path=preset, dtype="float64", device="cpu", seed=0), tokenizer)
 
 
 def cfg_of(**kw) -> AlgorithmConfig:
@@ -224,3 +232,44 @@ def test_trainer_logprobs_match_engine_at_temperature(tokenizer):
     raw_gap = (raw_N - inputs.behaviour_logp_N).abs()
     assert gap.max() < 1e-5, gap.max()
     assert raw_gap.mean() > 1e-2, raw_gap.mean()
+
+
+@pytest.mark.parametrize("preset", ["qwen2-1m", "llama-micro"])
+def test_shared_prompt_packing_matches_per_response_through_the_tri_model(tokenizer, preset):
+    """After one optimizer step (so policy, old and ref all differ: ratio != 1, KL != 0), the policy,
+    old and ref log-probs of every token and the accumulated policy gradient are the same whether the
+    groups are packed with their prompt once or once per response, and however they are cut into
+    micro-batches (fp64, atol 1e-10)."""
+    groups = make_groups(len(tokenizer))
+    tri = TriModel(policy_model(tokenizer, preset),
+                   cfg_of(beta=0.1, skip_old_forward=True, optimizer_steps_per_iteration=2))
+    assert tri.old is not None and tri.ref is not None
+    run_step(tri, [mb.build(shared=True, dtype=torch.float64) for mb in split_groups(groups, max_tokens=24)],
+             torch.optim.SGD(tri.policy.parameters(), lr=0.5))
+    results = {}
+    for shared, budget in ((True, 24), (False, 24), (False, 0)):  # 0: two whole groups per micro-batch
+        mbs = [mb.build(shared=shared, dtype=torch.float64)
+               for mb in split_groups(groups, max_tokens=budget, groups_per_micro_batch=2, shared=shared)]
+        logps = {k: [] for k in ("labels", "policy", "old", "ref")}  # flat (group, sample, token) order
+        acc = grpo.LossAccumulator.from_config(tri.cfg)
+        for inp in mbs:
+            out = tri.forward(inp.packed)
+            for k, v in (("labels", inp.packed.labels_N), ("policy", out.policy_N), ("old", out.old_N),
+                         ("ref", out.ref_N)):
+                logps[k].extend(v.detach().tolist())
+            tri.micro_step(inp, acc)
+        acc.finalize_gradients(list(tri.policy.parameters()))
+        grads = {n: p.grad.clone() for n, p in tri.policy.named_parameters()}
+        tri.policy.zero_grad(set_to_none=True)
+        results[(shared, budget)] = (logps, grads, acc.metrics(), len(mbs))
+    (ref_logps, ref_grads, ref_metrics, _), *others = results.values()
+    assert len({r[3] for r in results.values()}) == 3  # three different cuts into micro-batches
+    assert ref_metrics["kl"] > 1e-6 and not torch.allclose(torch.tensor(ref_logps["policy"]),
+                                                           torch.tensor(ref_logps["old"]), atol=1e-6)
+    for logps, grads, metrics, _ in others:
+        assert logps["labels"] == ref_logps["labels"]
+        for k in ("policy", "old", "ref"):
+            torch.testing.assert_close(torch.tensor(logps[k]), torch.tensor(ref_logps[k]), rtol=0, atol=1e-10)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=0, atol=1e-10, msg=lambda m: f"{n}: {m}")
+        assert abs(metrics["kl"] - ref_metrics["kl"]) < 1e-10

@@ -1,11 +1,15 @@
-"""Causal LMs: tiny Qwen2/Qwen3 presets built from a config (random init), or any Hugging Face
-causal LM from a local directory; device and dtype from config, nothing hard-codes CUDA.
+"""Causal LMs: tiny Qwen2/Qwen3/Llama presets built from a config (random init), or any Hugging
+Face causal LM from a local directory (a real one: `python -m periodic_async prepare-model
+smollm2-135m`, prepare.py); device and dtype from config, nothing hard-codes CUDA.
 
 Presets (vocabulary from the tokenizer, ~512 for ours; parameter counts with that vocab):
     qwen2-micro hidden 32, 2 layers   (~30K: fast tests, e.g. of bf16 on CPUs without bf16 units)
     qwen2-1m   hidden 128, 4 layers   (~0.9M)
     qwen2-5m   hidden 256, 6 layers   (~4.5M)
     qwen3-25m  hidden 512, 8 layers   (~24M, Qwen3 architecture with q/k norm)
+    llama-micro hidden 48, 2 layers   (~70K: SmolLM2-135M's architecture down-scaled, Llama with 3:1
+                                       grouped-query attention, RoPE theta 1e5, tied embeddings;
+                                       the exactness tests of the real model's layout)
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ PRESETS: dict[str, dict] = {
                      num_key_value_heads=2, intermediate_size=704),
     "qwen3-25m": dict(model_type="qwen3", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=64, intermediate_size=1408),
+    # SmolLM2-135M-Instruct: llama, hidden 576, 30 layers, 9 heads / 3 kv heads of 64, MLP 1536,
+    # rope_theta 1e5, rms_norm_eps 1e-5, tied; here the same ratios at toy size
+    "llama-micro": dict(model_type="llama", hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                        num_key_value_heads=1, head_dim=16, intermediate_size=128, rope_theta=100000.0,
+                        rms_norm_eps=1e-5),
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -55,10 +64,10 @@ def preset_config(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "f
                          "nor an existing directory")
     spec = dict(PRESETS[name])
     model_type = spec.pop("model_type")
+    spec = {"max_position_embeddings": 8192, "rope_theta": 10000.0, **spec}  # a preset may set its own
     return AutoConfig.for_model(
-        model_type, vocab_size=len(tokenizer), max_position_embeddings=8192, rope_theta=10000.0,
-        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None, torch_dtype=dtype, **spec,
+        model_type, vocab_size=len(tokenizer), tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, torch_dtype=dtype, **spec,
     )
 
 
