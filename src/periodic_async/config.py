@@ -569,7 +569,17 @@ def _set(tree: dict[str, Any], dotted: str, value: str, verbatim: bool = False) 
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {dotted}={value!r}: {k!r} is not a section")
-    node[keys[-1]] = value if verbatim else yaml.safe_load(value) if value != "" else ""
+    node[keys[-1]] = _text(value) if verbatim else yaml.safe_load(value) if value != "" else ""
+
+
+def _text(value: str) -> str:
+    """A str field's override: YAML's reading when that is a string (`"ray"`, `'a b'`, `ray`),
+    else the text as given (`{question} Answer:` would read as a mapping, `123` as a number)."""
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+    return parsed if isinstance(parsed, str) else value
 
 
 def _is_text_field(cls: type, dotted: str) -> bool:
@@ -584,8 +594,9 @@ def _is_text_field(cls: type, dotted: str) -> bool:
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
     """Build `cls` from a YAML file (optional) plus `section.key=value` overrides. An override of a
-    field typed str keeps its text verbatim (`data.question_template={question} Answer:`); other
-    values are read as YAML (`reward.weights=[1.0, 0.5]`)."""
+    field typed str is read as YAML when that gives a string (`engine.backend="ray"`), else kept
+    as given (`data.question_template={question} Answer:`); other values are read as YAML
+    (`reward.weights=[1.0, 0.5]`)."""
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
