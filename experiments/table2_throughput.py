@@ -1,6 +1,8 @@
 """The paper's Table 2 at CPU scale: end-to-end trained tokens/s of TRL's GRPOTrainer (the
-mainstream framework a user would otherwise pick) and of our three modes, each with and
-without shared-prompt packing, on one warm-started model, tokenizer, prompt set and reward.
+mainstream framework a user would otherwise pick), generating with transformers (`trl-grpo`)
+and with vLLM (`trl-grpo-vllm`, TRL's colocate mode), and of our three modes, each with and
+without shared-prompt packing, on one model, tokenizer, prompt set and reward. Speedups are
+quoted against the faster of the two TRL configurations (`trl_baseline` names it).
 
     bash experiments/table2_throughput.sh              # ~15 min on 2 cores; QUICK=1: ~2 min
     python experiments/table2_throughput.py [--quick] [--repeats N] [--results results] [--figures figures]
@@ -25,6 +27,7 @@ results/table2_token_check.csv (TRL's count and ours per step), results/table2_b
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import sys
@@ -48,7 +51,16 @@ IGNORE = ("trainer.output_dir", "logging.")  # not settings of the measured syst
 MODES = ["sync-colocated", "sync-separated", "periodic-async"]
 COLUMNS = ["setting", "system", "shared_prompt", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "repeats",
            "devices", "speedup_vs_trl", "speedup_vs_sync_colocated", "paper_speedup", "git_commit", "config_hash",
-           "speedup_vs_trl_min", "speedup_vs_trl_max", "mean_prompt_tokens", "samples_per_iteration", "settings"]
+           "speedup_vs_trl_min", "speedup_vs_trl_max", "mean_prompt_tokens", "samples_per_iteration", "trl_baseline",
+           "settings"]
+
+
+def read_csv(path: Path) -> list[dict]:
+    """The rows of an earlier run's CSV (none when it does not exist)."""
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def load_plan(path: Path, quick: bool) -> dict:
@@ -84,26 +96,39 @@ def pipeline_system(plan, setting, mode, shared, extra, runs: Path, engines: Sha
     system = plan["systems"][mode]
     budget = system["micro_batch_tokens"][packing]
     budget = budget[setting] if isinstance(budget, dict) else budget  # one value, or one per setting
-    over = as_overrides(system["overrides"]) + [
+    over = as_overrides(system["overrides"]) + as_overrides(system.get("per_setting", {}).get(setting, {})) + [
         f"algorithm.shared_prompt={shared}", f"algorithm.micro_batch_tokens={budget}",
         f"trainer.output_dir={runs / setting / name.replace('/', '-')}"]
     cfg = run_config(plan, setting, over + extra)
     return System(name, lambda: run(cfg, engine=engines.get(cfg)), cfg)
 
 
-def trl_system(plan, setting, extra, runs: Path, model_dir_of) -> System:
+TRL_SYSTEMS = ("trl-grpo", "trl-grpo-vllm")  # TRL generating with transformers.generate / with vLLM
+
+
+def trl_plan(plan: dict, name: str) -> dict:
+    """TRL's settings for system `name`: the plan's `trl`, with `trl_vllm` over it for trl-grpo-vllm."""
+    return {**plan["trl"], **plan.get("trl_vllm", {}), "vllm": True} if name == "trl-grpo-vllm" else dict(plan["trl"])
+
+
+def trl_system(plan, setting, extra, runs: Path, model_dir_of, name: str = "trl-grpo") -> System:
+    cfg = run_config(plan, setting, extra)
+    out = runs / setting / name
+    trl = trl_plan(plan, name)
+    settings = trl_settings(cfg, trl, load_policy_tokenizer(cfg))
+    return System(name, lambda: run_trl(cfg, trl, model_dir_of(cfg), out), settings)
+
+
+def load_policy_tokenizer(cfg: RunConfig):
+    """The tokenizer the run uses: the model directory's own, else model.tokenizer."""
     from periodic_async.data.tokenizer import load_tokenizer
 
-    cfg = run_config(plan, setting, extra)
-    out = runs / setting / "trl-grpo"
-    settings = trl_settings(cfg, plan["trl"], load_tokenizer(cfg.model.tokenizer))
-    return System("trl-grpo", lambda: run_trl(cfg, plan["trl"], model_dir_of(cfg), out), settings)
+    model_dir = Path(cfg.model.name_or_path)
+    return load_tokenizer(model_dir if (model_dir / "tokenizer_config.json").is_file() else cfg.model.tokenizer)
 
 
 def mean_prompt_tokens(cfg: RunConfig) -> float:
-    from periodic_async.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(cfg.model.tokenizer)
+    tok = load_policy_tokenizer(cfg)
     examples, shots = load_examples(cfg.data, "train"), few_shot_examples(cfg.data)
     batch = iteration_prompts(examples, 0, cfg.algorithm.prompts_per_iteration, cfg.data.seed)
     return sum(len(encode_chat(tok, prompt_messages(ex, shots, cfg.data))) for _, ex in batch) / len(batch)
@@ -117,9 +142,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--runs", default="runs/table2")
     ap.add_argument("--plan", default=str(HERE / "table2_throughput.yaml"))
     ap.add_argument("--repeats", type=int, default=None, help="measured rounds (default: bench.repeats of the plan)")
+    ap.add_argument("--settings", default=None,
+                    help="comma-separated settings to run (default: all of the plan's), e.g. real-model")
+    ap.add_argument("--no-batch-effect", action="store_true", help="skip the batch-size sweep")
     ap.add_argument("overrides", nargs="*", help="section.key=value for every system (e.g. model.name_or_path=...)")
     args = ap.parse_args(argv)
     plan = load_plan(Path(args.plan), args.quick)
+    if args.settings:
+        wanted = args.settings.split(",")
+        unknown = [w for w in wanted if w not in plan["settings"]]
+        if unknown:
+            raise SystemExit(f"--settings: {unknown} not in the plan's settings {list(plan['settings'])}")
+        plan["settings"] = {k: v for k, v in plan["settings"].items() if k in wanted}
     extra = list(args.overrides)
     probe = run_config(plan, next(iter(plan["settings"])), extra)
     model = probe.model.name_or_path
@@ -144,20 +178,28 @@ def main(argv=None) -> list[dict]:
             exported[key] = export_model(cfg, runs / "trl-model" / Path(key).name)
         return exported[key]
 
-    rows, checks, batch_rows = [], [], []
+    out = Path(args.results)
+    # With --settings, the other settings' rows of an earlier run are kept (one CSV, all settings).
+    rows = [r for r in read_csv(out / "table2_throughput.csv") if r["setting"] not in plan["settings"]]
+    checks = [r for r in read_csv(out / "table2_token_check.csv") if r["setting"] not in plan["settings"]]
+    batch_rows = []
     try:
         for setting in plan["settings"]:
-            systems = [trl_system(plan, setting, extra, runs, model_dir_of)]
+            systems = [trl_system(plan, setting, extra, runs, model_dir_of, name) for name in TRL_SYSTEMS]
             systems += [pipeline_system(plan, setting, m, shared, extra, runs, engines)
                         for m in MODES for shared in (False, True)]
             res = measure(systems, repeats=bench["repeats"], warmup_rounds=bench["warmup_rounds"],
                           ignore_settings=IGNORE)
-            cfg0 = systems[1].settings
+            cfg0 = systems[len(TRL_SYSTEMS)].settings
             p_mean = round(mean_prompt_tokens(cfg0), 1)
-            trl = res["trl-grpo"]
-            for round_, r in enumerate(trl.runs, 1):
-                checks += [{"setting": setting, "round": round_, "step": i + 1, "trl_num_tokens": a, "ours": b,
-                            "equal": a == b} for i, (a, b) in enumerate(r["token_check"])]
+            # Speedups are quoted against the faster TRL configuration of this setting.
+            trl_name = max(TRL_SYSTEMS, key=lambda n: res[n].stats("tokens_per_s").median)
+            trl = res[trl_name]
+            for name in TRL_SYSTEMS:
+                for round_, r in enumerate(res[name].runs, 1):
+                    checks += [{"setting": setting, "system": name, "round": round_, "step": i + 1,
+                                "trl_num_tokens": a, "ours": b, "equal": a == b}
+                               for i, (a, b) in enumerate(r["token_check"])]
             for name, r in res.items():
                 mode, _, packing = name.partition("/")
                 shared = packing == "shared"
@@ -172,16 +214,18 @@ def main(argv=None) -> list[dict]:
                     "paper_speedup": plan["paper_speedup"] if name == "periodic-async/shared" else "",
                     **r.provenance(), "speedup_vs_trl_min": round(vs_trl.min, 3),
                     "speedup_vs_trl_max": round(vs_trl.max, 3), "mean_prompt_tokens": p_mean,
-                    "samples_per_iteration": cfg0.algorithm.prompts_per_iteration * cfg0.algorithm.group_size})
-            write_csv(Path(args.results) / "table2_throughput.csv", rows, COLUMNS)  # after each setting
-        batch_rows = batch_effect(plan, extra, runs, engines)
+                    "samples_per_iteration": cfg0.algorithm.prompts_per_iteration * cfg0.algorithm.group_size,
+                    "trl_baseline": trl_name})
+            write_csv(out / "table2_throughput.csv", rows, COLUMNS)  # after each setting
+        if not args.no_batch_effect and plan["batch_effect"]["setting"] in plan["settings"]:
+            batch_rows = batch_effect(plan, extra, runs, engines)
     finally:
         engines.close()
-    out = Path(args.results)
     write_csv(out / "table2_throughput.csv", rows, COLUMNS)
     write_csv(out / "table2_token_check.csv", checks)
-    write_csv(out / "table2_batch_effect.csv", batch_rows)
-    if not all(c["equal"] for c in checks):
+    if batch_rows:
+        write_csv(out / "table2_batch_effect.csv", batch_rows)
+    if not all(str(c["equal"]) == "True" for c in checks):
         raise RuntimeError(f"TRL's token counts disagree with ours: see {out / 'table2_token_check.csv'}")
     fig = plot_table2(out / "table2_throughput.csv", Path(args.figures) / "table2_throughput.png",
                       out / "table2_batch_effect.csv")
