@@ -303,15 +303,16 @@ def test_sigterm_leaves_no_processes(backend, tokenizer_dir, tmp_path):
             assert proc.poll() is None, output()
             assert time.time() < deadline, "no iteration finished within 300 s"
             time.sleep(0.5)
-        time.sleep(1.0)  # Ray's workers and agents are all up by now
         tree = _tree(proc.pid)
-        if backend == "ray":
-            assert len(tree) > 3, [p.name() for p in tree]  # the CLI, gcs, raylet, the engine worker, ...
+        while backend == "ray" and len(tree) <= 3:  # the CLI, gcs, raylet, the engine worker, ...
+            assert time.time() < deadline, [p.name() for p in tree]
+            time.sleep(0.5)
+            tree = _tree(proc.pid)
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=180)
         except subprocess.TimeoutExpired:
-            pytest.fail("the CLI did not exit within 60 s of SIGTERM")
+            pytest.fail("the CLI did not exit within 180 s of SIGTERM")
         assert proc.returncode == 128 + signal.SIGTERM, output()
         assert "stopped by SIGTERM" in output()
         done = len(read_jsonl(out / "metrics.jsonl"))
@@ -319,7 +320,7 @@ def test_sigterm_leaves_no_processes(backend, tokenizer_dir, tmp_path):
         assert ckpt is not None, output()
         label = json.loads((ckpt / "checkpoint.json").read_text())["iteration"]
         assert label >= 1 and label in (done, done + 1)  # SIGTERM may land after a step, before its books
-        _, alive = psutil.wait_procs(tree, timeout=20)
+        _, alive = psutil.wait_procs(tree, timeout=60)
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
         for p in [proc, *tree]:

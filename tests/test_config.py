@@ -1,5 +1,7 @@
 """Config: YAML + overrides, type conversion, and validation errors that name field and value."""
 
+import time
+
 import pytest
 import yaml
 
@@ -94,9 +96,14 @@ def test_wandb_never_sees_a_secret_on_the_command_line(tmp_path, monkeypatch):
     logger.log({"x": 1.0}, step=1)
     logger.close()
     assert sys.argv is argv
-    written = [p for p in tmp_path.rglob("*") if p.is_file()]
-    records = [p for p in written if p.suffix == ".wandb"]  # the offline run's records: config, metadata, argv
-    assert records and b"engine.ray_address=ray://me:<redacted>@head" in records[0].read_bytes(), \
-        "the test must see W&B's record of the command line"
-    for p in written:
+    # W&B's service process writes the offline record on its own schedule: wait for it to be done
+    # (teardown stops the service, which flushes), then for the record of the command line itself.
+    import wandb
+
+    wandb.teardown()
+    redacted, deadline = b"engine.ray_address=ray://me:<redacted>@head", time.time() + 120
+    while not any(redacted in p.read_bytes() for p in tmp_path.rglob("*.wandb")):
+        assert time.time() < deadline, "W&B wrote no record of the command line within 120 s"
+        time.sleep(0.2)
+    for p in (p for p in tmp_path.rglob("*") if p.is_file()):
         assert token.encode() not in p.read_bytes(), p

@@ -193,7 +193,7 @@ def test_worker_crash_raises(ray_session, model_cfg, tokenizer, ray_engine):
         t = time.time()
         with pytest.raises(EngineError, match=r"worker 0 .*slow.*no result for 1 s"):
             list(engine.generate([req(tokenizer, "slow", "slow", max_tokens=4000, ignore_eos=True)]))
-        assert time.time() - t < 10
+        assert time.time() - t < 30  # the message says why; not the 4000-token sample's end
         engine.timeout_s = 60.0
         pid = engine.info()[0]["pid"]
         reqs = [req(tokenizer, "quick", "quick", max_tokens=2, ignore_eos=True)]
@@ -204,7 +204,7 @@ def test_worker_crash_raises(ray_session, model_cfg, tokenizer, ray_engine):
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineError, match=r"worker 0 .*crash0.*died") as err:
             list(it)
-        assert time.time() - t < 30
+        assert time.time() - t < 50  # the death is reported, not waited out (timeout_s is 60)
         assert err.value.worker == 0 and "crash0" in err.value.request_ids
     finally:
         engine.close()
@@ -375,10 +375,14 @@ def test_unplaceable_worker_fails_fast(ray_session, model_cfg):
         with pytest.raises(EngineError, match=rf"worker {worker} failed .*placement group \(bundle "
                                               rf"{bundle.replace('{', '[{]')}.*not placed within 2 s") as err:
             make_engine(EngineConfig(backend="ray", placement_timeout_s=2, **cfg), model_cfg)
-        assert time.time() - t < 15
+        assert time.time() - t < 60
         assert err.value.worker == worker and resource in str(err.value)
-    time.sleep(0.5)
-    left = {k: v["state"] for k, v in ray.util.placement_group_table().items() if k not in before}
+    deadline = time.time() + 60  # removal is asynchronous in Ray: wait for it
+    while True:
+        left = {k: v["state"] for k, v in ray.util.placement_group_table().items() if k not in before}
+        if (left and set(left.values()) == {"REMOVED"}) or time.time() > deadline:
+            break
+        time.sleep(0.2)
     assert left and set(left.values()) == {"REMOVED"}, left
 
 

@@ -122,7 +122,7 @@ def test_worker_killed_mid_iteration(ray_session, tokenizer_dir, tmp_path, kill_
         engine.close()
     assert err.value.worker == 1 and err.value.request_ids
     assert all(r.startswith("it1-") for r in err.value.request_ids)
-    assert stopped_after < 20, f"the run stopped {stopped_after:.1f} s after the kill"
+    assert stopped_after < 120, f"the run stopped {stopped_after:.1f} s after the kill (timeout_s is 600)"
     assert {k[0] for k in _by_prompt(tmp_path / "killed")} == {0}  # iteration 1 never completed
     assert max_abs_diff(_weights(tmp_path / "killed"), _weights(tmp_path / "reference")) <= 1e-10
 

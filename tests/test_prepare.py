@@ -105,7 +105,8 @@ def test_prepare_is_idempotent_and_atomic(converted):
     mtime = weights.stat().st_mtime_ns
     t0 = time.time()
     assert prepare.prepare_model("smollm2-135m", converted) == converted
-    assert time.time() - t0 < 1.0 and weights.stat().st_mtime_ns == mtime
+    assert weights.stat().st_mtime_ns == mtime  # not rewritten
+    assert time.time() - t0 < 10.0  # a generous bound: a conversion reads and writes 0.5 GB
     (converted / prepare.MARKER).rename(converted / "marker.bak")  # no marker: not complete
     try:
         assert not prepare.is_complete(converted)

@@ -48,10 +48,9 @@ def test_tracer_streams_spans_to_disk(tmp_path):
 def _wandb_log(run_dir: Path, needle: bytes) -> bytes:
     """The run's log once it holds `needle` (the wandb service may still be writing it)."""
     (log,) = run_dir.glob("*.wandb")
-    for _ in range(100):
-        if needle in log.read_bytes():
-            break
-        time.sleep(0.1)
+    deadline = time.time() + 120  # a busy machine delays the service, never this long
+    while needle not in log.read_bytes() and time.time() < deadline:
+        time.sleep(0.2)
     return log.read_bytes()
 
 
