@@ -25,6 +25,7 @@ def test_yaml_file_then_override(tmp_path):
 @pytest.mark.parametrize("override,fragment", [
     ("pipeline.mode=async", "pipeline.mode='async'"),
     ("algorithm.group_size=0", "algorithm.group_size=0"),
+    ("algorithm.group_size=1", "every advantage is 0"),
     ("algorithm.loss_norm=mean", "algorithm.loss_norm='mean'"),
     ("engine.top_p=0", "engine.top_p=0"),
     ("model.dtype=int8", "model.dtype='int8'"),
@@ -46,6 +47,17 @@ def test_unknown_keys_and_missing_file(tmp_path):
         load_config(RunConfig, tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(SFTRunConfig, None, ["sft.lr"])
+
+
+def test_yaml_errors_name_the_file_and_line(tmp_path):
+    """A YAML syntax error and a byte that is not UTF-8 are ConfigErrors naming file:line."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  iterations: 3\nalgorithm:\n  lr: [1e-4, 2e-4\n")  # the list never closes
+    with pytest.raises(ConfigError, match=rf"config file {bad}:5: YAML syntax error: while parsing a flow sequence"):
+        load_config(RunConfig, bad)
+    bad.write_bytes(b"trainer:\n  iterations: 3\n  output_dir: runs/caf\xe9\n")  # latin-1
+    with pytest.raises(ConfigError, match=rf"config file {bad}:3: not UTF-8 text"):
+        load_config(RunConfig, bad)
 
 
 def test_save_run_info_round_trips(tmp_path):

@@ -231,6 +231,17 @@ def test_malformed_json_file_names_file_and_line(tmp_path):
         load_examples(DataConfig(source=str(p)))
 
 
+@pytest.mark.parametrize("name", ["bad.jsonl", "bad.json"])
+def test_undecodable_file_names_file_and_line(tmp_path, name):
+    """A byte that is not UTF-8 (a latin-1 file) is a DataError naming the file and its line."""
+    rows = [b'{"question": "1+1?", "answer": "#### 2"}', b'{"question": "caf\xe9: 2+2?", "answer": "#### 4"}']
+    path = tmp_path / name
+    path.write_bytes(b"\n".join(rows) + b"\n" if name.endswith("l") else b"[\n" + b",\n".join(rows) + b"\n]\n")
+    line = 2 if name.endswith("l") else 3
+    with pytest.raises(DataError, match=rf"{name}:{line}: not UTF-8 text \(byte b'\\xe9'"):
+        load_examples(DataConfig(source=str(path), num_eval=0))
+
+
 def test_missing_field_names_file_and_line_or_row(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -73,9 +73,17 @@ def test_local_directory_round_trip(tmp_path, tokenizer, tokenizer_dir):
     assert tok.eos_token_id == tokenizer.eos_token_id
 
 
-def test_unknown_preset_names_the_choices(tokenizer):
-    with pytest.raises(ValueError, match="neither a preset"):
+def test_unknown_preset_names_the_choices(tokenizer, tmp_path):
+    """A name that is neither a preset nor a directory is a ConfigError (one line on the command
+    line) naming the field, the presets and where it looked; no tokenizer is built for it."""
+    from periodic_async.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.name_or_path='qwen9-huge' is neither a preset \(.*qwen2-1m"):
         build_model(ModelConfig(name_or_path="qwen9-huge"), tokenizer)
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ConfigError, match=f"looked in {missing}"):
+        load_policy(ModelConfig(name_or_path=str(missing), tokenizer=str(tmp_path / "tok")))
+    assert not (tmp_path / "tok").exists()
 
 
 def test_tokenizer_round_trip_and_chat_template(tokenizer):

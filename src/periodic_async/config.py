@@ -308,7 +308,7 @@ class EngineConfig:
 @dataclass
 class AlgorithmConfig:
     group_size: int = 8
-    """G: samples per prompt (one group)."""
+    """G: samples per prompt (one group); at least 2 (advantages are relative to the group)."""
     prompts_per_iteration: int = 8
     """B: prompts (groups) per iteration; one optimizer step per iteration by default."""
     lr: float = 1e-4
@@ -355,7 +355,9 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         a = "algorithm"
-        _check(self.group_size >= 1, a, "group_size", self.group_size, "must be >= 1")
+        _check(self.group_size >= 2, a, "group_size", self.group_size,
+               "must be >= 2: GRPO's advantage is a sample's reward against its group's mean, "
+               "so with one sample per prompt every advantage is 0 and nothing is learned")
         _check(self.prompts_per_iteration >= 1, a, "prompts_per_iteration", self.prompts_per_iteration, "must be >= 1")
         _check(self.lr > 0, a, "lr", self.lr, "must be > 0")
         _check(self.lr_scheduler in ("constant", "linear", "cosine"), a, "lr_scheduler", self.lr_scheduler,
@@ -602,7 +604,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        tree = yaml.safe_load(p.read_text()) or {}
+        tree = _read_yaml(p) or {}
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
     for item in overrides or []:
@@ -612,6 +614,21 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
         # a str field takes the text as given: YAML would read '{question}' as a mapping
         _set(tree, key.strip(), value, verbatim=_is_text_field(cls, key.strip()))
     return _build(cls, tree, "")
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document in `path`; a syntax error or undecodable byte is a ConfigError naming the
+    file and the line (1-based) where the parser stopped."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        what = ": ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+        raise ConfigError(f"config file {where}: YAML syntax error: {what}") from None
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def git_commit() -> str:

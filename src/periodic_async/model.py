@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from periodic_async.config import ModelConfig
+from periodic_async.config import ConfigError, ModelConfig
 from periodic_async.data.tokenizer import ensure_tokenizer, load_tokenizer
 
 PRESETS: dict[str, dict] = {
@@ -60,8 +60,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 def preset_config(name: str, tokenizer: PreTrainedTokenizerBase, dtype: str = "float32"):
     """The transformers config of preset `name`, sized to `tokenizer`."""
     if name not in PRESETS:
-        raise ValueError(f"model.name_or_path={name!r} is neither a preset ({sorted(PRESETS)}) "
-                         "nor an existing directory")
+        raise ConfigError(_not_a_model(name))
     spec = dict(PRESETS[name])
     model_type = spec.pop("model_type")
     spec = {"max_position_embeddings": 8192, "rope_theta": 10000.0, **spec}  # a preset may set its own
@@ -109,9 +108,20 @@ def norms_in_input_dtype(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _not_a_model(name_or_path: str) -> str:
+    return (f"model.name_or_path={name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+            f"nor an existing model directory (looked in {Path(name_or_path).resolve()})")
+
+
+def check_model_path(name_or_path: str) -> None:
+    """A ConfigError naming `model.name_or_path` unless it is a preset or an existing directory."""
+    if name_or_path not in PRESETS and not Path(name_or_path).is_dir():
+        raise ConfigError(_not_a_model(name_or_path))
+
+
 def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Tokenizer and model of `cfg`. A model directory without `cfg.tokenizer` uses its own tokenizer."""
-
+    check_model_path(cfg.name_or_path)  # before a tokenizer is built for a model that is not there
     model_dir = Path(cfg.name_or_path)
     if model_dir.is_dir() and (model_dir / "tokenizer_config.json").is_file():
         tokenizer = load_tokenizer(model_dir)

@@ -177,6 +177,17 @@ def _record_to_example(rec: dict, fmt: str, where: str, i: int) -> Example:
     raise DataError(f"unknown format {fmt!r}")
 
 
+def _utf8(raw: bytes, source: str, line: int | None = None) -> str:
+    """`raw` decoded as UTF-8; else a DataError naming the file, the line (`line`, or counted in
+    `raw`) and the byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        ln = line if line is not None else raw[:e.start].count(b"\n") + 1
+        raise DataError(f"{source}:{ln}: not UTF-8 text (byte {raw[e.start:e.start + 1]!r}: {e.reason}); "
+                        "save the file as UTF-8") from None
+
+
 def _read_records(source: str, split: str) -> list[tuple[str, object]]:
     """The records of `source`, each with where it came from: 'file:LINE' (JSONL, 1-based),
     'file row N' (JSON list, parquet) or "source[split] row N" (a datasets split)."""
@@ -185,8 +196,9 @@ def _read_records(source: str, split: str) -> list[tuple[str, object]]:
         raise FileNotFoundError(f"data.source {source!r} does not exist")
     if p.suffix == ".jsonl":
         out = []
-        with p.open() as f:
-            for ln, line in enumerate(f, 1):
+        with p.open("rb") as f:
+            for ln, raw in enumerate(f, 1):
+                line = _utf8(raw, source, ln)
                 if line.strip():
                     try:
                         out.append((f"{source}:{ln}", json.loads(line)))
@@ -194,8 +206,9 @@ def _read_records(source: str, split: str) -> list[tuple[str, object]]:
                         raise DataError(f"{source}:{ln}: invalid JSON ({e})") from None
         return out
     if p.suffix == ".json":
+        raw = p.read_bytes()
         try:
-            data = json.loads(p.read_text())
+            data = json.loads(_utf8(raw, source))
         except json.JSONDecodeError as e:
             raise DataError(f"{source}:{e.lineno}: invalid JSON ({e})") from None
         if not isinstance(data, list):
