@@ -117,3 +117,18 @@ def test_prepare_is_idempotent_and_atomic(converted):
 def test_unknown_model_is_a_clear_error():
     with pytest.raises(UserError, match=r"unknown model 'smollm3'; known: smollm2-135m"):
         prepare.prepare_model("smollm3")
+
+
+def test_command_line_reports_the_complete_directory(converted):
+    """`python -m periodic_async prepare-model smollm2-135m --out DIR` on a complete directory: exit 0,
+    one line naming it and the model.name_or_path to use, nothing rewritten."""
+    import os
+    import subprocess
+
+    mtime = (converted / "model.safetensors").stat().st_mtime_ns
+    r = subprocess.run([sys.executable, "-m", "periodic_async", "prepare-model", "smollm2-135m", "--out", str(converted)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == (f"{converted}: LlamaForCausalLM, 134.5M parameters, float32 (already complete); "
+                                f"use model.name_or_path={converted}")
+    assert (converted / "model.safetensors").stat().st_mtime_ns == mtime
