@@ -4,7 +4,8 @@
     for each iteration t:
         the trainer consumes the iteration's groups (micro-batches, gradient accumulation)
         and takes one optimizer step
-        the barrier: version t+1 is pushed to every engine
+        the barrier: version t+1 is pushed to every engine, and the push is checked (the
+            engines' log-probs of a probe sequence against the trainer's: engine/verify.py)
         the next iteration starts generating; the books are kept meanwhile
 
 What differs between modes lives in `modes.py` (the order the trainer takes groups, which
@@ -52,6 +53,7 @@ from periodic_async.config import RunConfig, save_run_info
 from periodic_async.consumer import Consumer
 from periodic_async.data import few_shot_examples, fit_to_context, load_examples
 from periodic_async.engine import Engine, make_engine
+from periodic_async.engine.verify import PushCheck
 from periodic_async.group import Group
 from periodic_async.model import load_policy, resolve_device
 from periodic_async.modes import make_mode
@@ -176,7 +178,8 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
             started.callback(tracer.write, out)
             if engine is None:
                 engine = started.enter_context(build_engine(cfg))
-            side = _Generation(cfg, engine, tokenizer, data, tracer, ranks, started)
+            push_check = PushCheck.from_config(cfg.engine, cfg.model, policy, copy=ranks.lockstep)  # engine.verify_push
+            side = _Generation(cfg, engine, tokenizer, data, tracer, ranks, started, push_check)
         else:
             side = _Follower(ranks)
         try:
@@ -213,22 +216,23 @@ class _Generation:
     for its groups and stops when the weight sync of the barrier ends."""
 
     def __init__(self, cfg: RunConfig, engine: Engine, tokenizer, data, tracer: Tracer, ranks: Ranks,
-                 started: contextlib.ExitStack) -> None:
+                 started: contextlib.ExitStack, push_check: PushCheck | None = None) -> None:
         examples, self.evals, shots, reward_fn = data
         self.cfg, self.engine, self.tracer, self.ranks = cfg, engine, tracer, ranks
+        self.push_check = push_check
         self.producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=self.evals)
         started.callback(self.producer.close)
         out = Path(cfg.trainer.output_dir)
         logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                                name=f"{cfg.pipeline.mode}-{out.name}")
         started.callback(logger.close)
-        self.books = _Books(cfg, out, logger, self.producer, ranks.world_size)
+        self.books = _Books(cfg, out, logger, self.producer, ranks.world_size, push_check)
         started.callback(self.books.close)
         self.mode = make_mode(cfg.pipeline.mode)
         self.generation_done = self.producer.generation_done
 
     def begin(self, consumer: Consumer, first: int, last: int) -> None:
-        _barrier(self.engine, consumer, first, self.tracer)  # the engines start from our weights
+        _barrier(self.engine, consumer, first, self.tracer, self.push_check)  # the engines start from our weights
         self.mode.begin(self.producer, first, last)
 
     def groups(self, iteration: int):
@@ -242,7 +246,7 @@ class _Generation:
     def barrier(self, consumer: Consumer, iteration: int, train: dict) -> None:
         completed = consumer.version
         self.mode.before_barrier(self.producer, iteration)
-        sync_s = _barrier(self.engine, consumer, completed, self.tracer)
+        sync_s = _barrier(self.engine, consumer, completed, self.tracer, self.push_check)
         t_end = time.time()
         self.mode.after_barrier(self.producer, completed)  # the next iteration generates while we keep the books
         self.books.iteration(self.handed.received, self.t_start, t_end, train, sync_s, completed)
@@ -289,13 +293,20 @@ class _Follower:
         return {"rank": self.ranks.rank, "first_iteration": self.first, "groups_trained": self.taken}
 
 
-def _barrier(engine: Engine, consumer: Consumer, version: int, tracer: Tracer) -> float:
-    """Push the policy's weights (in the engines' dtype) to every engine as `version`; returns
-    the seconds it took."""
+def _barrier(engine: Engine, consumer: Consumer, version: int, tracer: Tracer,
+             push_check: PushCheck | None = None) -> float:
+    """Push the policy's weights (in the engines' dtype) to every engine as `version`, then (as
+    engine.verify_push says) prove they arrived: the engines' probe log-probs against the
+    trainer's (engine/verify.py; a gap stops the run with an EngineError). Returns the push's
+    seconds (the check is traced apart, as verify_push)."""
     t = time.time()
-    engine.update_weights(consumer.engine_state_dict(), version)
+    state = consumer.engine_state_dict()
+    push_s = engine.update_weights(state, version)
     t_end = time.time()
     tracer.add("weight_sync", "trainer", t, t_end, version=version)
+    if push_check is not None:
+        push_check.after_push(engine, version, push_s, state)
+        tracer.add("verify_push", "trainer", t_end, time.time(), version=version)
     return t_end - t
 
 
@@ -315,9 +326,9 @@ class _Books:
     """Everything an iteration writes: metrics (JSONL + W&B), held-out accuracy, rollouts, progress."""
 
     def __init__(self, cfg: RunConfig, out: Path, logger: MetricsLogger, producer: Producer,
-                 trainer_ranks: int = 1) -> None:
+                 trainer_ranks: int = 1, push_check: PushCheck | None = None) -> None:
         self.cfg, self.out, self.logger, self.producer = cfg, out, logger, producer
-        self.trainer_ranks = trainer_ranks
+        self.trainer_ranks, self.push_check = trainer_ranks, push_check
         self.history: list[dict] = []
         self.logged_evals: set[int] = set()
         self.bar = None
@@ -331,6 +342,8 @@ class _Books:
         m = _iteration_metrics(groups, t_start, t_end, train, sync_s, self.cfg, self.trainer_ranks)
         m.update(self._new_evals())
         m.update(self.producer.engine.stats())  # e.g. engine/workers, engine/worker_restarts (ray)
+        if self.push_check is not None:  # this barrier's check: probe/max_gap, time/push_s, time/verify_s
+            m.update(self.push_check.last)
         m["pipeline/queue_depth_max"] = self.producer.queue_depth_max  # most groups waiting for the trainer
         if self.cfg.logging.rollouts:
             _write_rollouts(self.out / "rollouts.jsonl", groups)

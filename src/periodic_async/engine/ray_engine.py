@@ -412,9 +412,16 @@ class RayEngine(Engine):
             pinged: dict[int, tuple[float, ray.ObjectRef]] = {}  # liveness pings in flight
 
             def died(w: int, e: Exception) -> None:
-                """Worker w failed with e: restart it and re-send what it held, or raise."""
+                """Worker w failed with e: restart it and re-send what it held, or raise. A worker
+                that died after returning all its requests ends its stream: the next push or
+                generate finds it dead (and restarts or names it)."""
                 if not isinstance(e, ray.exceptions.RayActorError):
                     raise EngineError(_describe(e), w, list(held[w])) from e
+                if not held[w]:
+                    log.warning("engine: worker %d (pid %d) %s after returning all its requests", w, self.pids[w],
+                                _describe(e))
+                    del streams[w]
+                    return
                 try:
                     self._restart(w, _describe(e), list(held[w]))
                 except EngineError as err:

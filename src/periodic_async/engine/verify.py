@@ -71,30 +71,44 @@ def default_atol(dtype: str) -> float:
 
 class PushCheck:
     """After-push comparison of engine and trainer log-probs on `token_ids` (see the module
-    docstring). `reference` is the trainer's model (its current weights are the pushed ones)."""
+    docstring). `reference` is the trainer's model, whose weights are the pushed ones; with
+    `copy` it is a stand-alone copy that loads the pushed state dict before each check (FSDP
+    trainer ranks: the policy's forward would be a collective of all ranks)."""
 
-    def __init__(self, reference: torch.nn.Module, token_ids: list[int], atol: float, when: str = "every") -> None:
+    def __init__(self, reference: torch.nn.Module, token_ids: list[int], atol: float, when: str = "every",
+                 copy: bool = False) -> None:
         if when not in ("every", "first", "never"):
             raise ValueError(f"engine.verify_push={when!r}: expected every, first or never")
         self.reference, self.token_ids, self.atol, self.when = reference, list(token_ids), atol, when
+        self.copy = copy
         self.checks = 0
         self.last: dict[str, float] = {}
         """The last check: probe/max_gap, probe/worker (of the largest gap), time/push_s, time/verify_s."""
         self._unprobed_logged = False
 
     @classmethod
-    def from_config(cls, engine_cfg, model_cfg, policy: torch.nn.Module) -> "PushCheck | None":
+    def from_config(cls, engine_cfg, model_cfg, policy: torch.nn.Module, copy: bool = False) -> "PushCheck | None":
+        """None with engine.verify_push=never. `copy`: check against a copy of `policy` built from
+        its config (loaded with the pushed weights at each check) instead of `policy` itself."""
         if engine_cfg.verify_push == "never":
             return None
         atol = engine_cfg.verify_atol if engine_cfg.verify_atol is not None else default_atol(model_cfg.dtype)
-        return cls(policy, probe_tokens(policy.config.vocab_size), atol, engine_cfg.verify_push)
+        reference = policy
+        if copy:
+            from transformers import AutoModelForCausalLM
+
+            reference = AutoModelForCausalLM.from_config(policy.config, dtype=torch.float32)
+        return cls(reference, probe_tokens(policy.config.vocab_size), atol, engine_cfg.verify_push, copy=copy)
 
     def due(self) -> bool:
         return self.when == "every" or (self.when == "first" and self.checks == 0)
 
-    def after_push(self, engine: Engine, version: int, push_s: float) -> dict[int, float] | None:
+    def after_push(self, engine: Engine, version: int, push_s: float,
+                   state_dict: dict[str, torch.Tensor] | None = None) -> dict[int, float] | None:
         """Compare `engine`'s probe log-probs with the reference's; returns {worker: max |gap|},
-        None when not due or when the engine cannot be probed. Raises EngineError above `atol`."""
+        None when not due or when the engine cannot be probed. Raises EngineError above `atol`.
+        `state_dict`: the pushed weights (needed with `copy`)."""
+        self.last = {}
         if not self.due():
             return None
         t = time.perf_counter()
@@ -104,6 +118,10 @@ class PushCheck:
                 logger.info("weight push: %s cannot be probed; pushes are not verified", type(engine).__name__)
                 self._unprobed_logged = True
             return None
+        if self.copy:
+            if state_dict is None:
+                raise ValueError("PushCheck(copy=True).after_push needs the pushed state_dict")
+            self.reference.load_state_dict({k: v.float() for k, v in state_dict.items()})
         ref = model_logprobs(self.reference, self.token_ids)
         self.checks += 1
         gaps = {}
