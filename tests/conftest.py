@@ -76,6 +76,9 @@ def tiny_run_config(out, tokenizer_dir, **overrides):
         "algorithm.group_size": 3, "algorithm.prompts_per_iteration": 6, "algorithm.lr": 3e-3,
         "algorithm.micro_batch_tokens": 120, "algorithm.beta": 0.05,
         "trainer.iterations": 3, "trainer.output_dir": str(out), "trainer.eval_at_end": False,
+        # one trainer thread throughout, as _one_torch_thread: on a loaded 2-core machine two
+        # OpenMP threads train 10x slower than one (the default 'auto' is tested in test_consumer.py)
+        "trainer.threads_after_generation": 0,
         "pipeline.mode": "periodic-async", "logging.wandb_mode": "disabled", "logging.progress": False,
     }
     settings.update(overrides)

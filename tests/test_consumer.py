@@ -133,3 +133,50 @@ def test_lr_schedule_settings_are_validated(tokenizer):
     cfg = run_cfg(**{"algorithm.lr_scheduler": "linear", "algorithm.warmup_steps": 5, "trainer.iterations": 5})
     with pytest.raises(ValueError, match="warmup_steps=5"):
         Consumer(build_model(cfg.model, tokenizer), cfg)
+
+
+def test_threads_after_generation_default_takes_the_engines_cores():
+    """trainer.threads_after_generation='auto' (the default): on CPU the trainer takes its own
+    threads plus the separate engine workers' (capped at the machine's cores) once generation
+    ends; where no cores are freed (sync-colocated, the in-process engine, an accelerator,
+    trainer ranks) it keeps trainer.threads; an explicit N is N, 0 keeps trainer.threads."""
+    import os
+
+    from periodic_async.consumer import threads_after_generation
+
+    cores = len(os.sched_getaffinity(0))
+    two_workers = {"engine.backend": "ray", "engine.num_workers": 2, "engine.threads_per_worker": 1,
+                   "trainer.threads": 1, "pipeline.mode": "periodic-async"}
+    assert run_cfg(**two_workers).trainer.threads_after_generation == "auto"
+    assert threads_after_generation(run_cfg(**two_workers)) == min(cores, 3)
+    assert threads_after_generation(run_cfg(**{**two_workers, "pipeline.mode": "sync-separated"})) == min(cores, 3)
+    for kept in ({"pipeline.mode": "sync-colocated"}, {"engine.backend": "local"}, {"model.device": "cuda"}):
+        assert threads_after_generation(run_cfg(**{**two_workers, **kept})) == 1, kept
+    assert threads_after_generation(run_cfg(**two_workers), distributed=True) == 1
+    assert threads_after_generation(run_cfg(**{**two_workers, "trainer.threads_after_generation": 5})) == 5
+    assert threads_after_generation(run_cfg(**{**two_workers, "trainer.threads_after_generation": 0})) == 1
+
+
+def test_trainer_takes_the_freed_cores_once_generation_is_done(tokenizer):
+    """With the engines idle (generation_done set) the iteration trains on the freed cores and
+    gives them back at its end."""
+    import os
+    import threading
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores")
+    cfg = run_cfg(**{"engine.backend": "ray", "engine.num_workers": 1, "trainer.threads": 1})
+    consumer = Consumer(build_model(cfg.model, tokenizer), cfg)
+    idle, seen = threading.Event(), []
+    idle.set()
+
+    class Watch(list):  # records the torch threads in use as the trainer takes each group
+        def __iter__(self):
+            for g in super().__iter__():
+                yield g
+                seen.append(torch.get_num_threads())
+
+    torch.set_num_threads(1)
+    m = consumer.train_iteration(Watch(make_groups(tokenizer)), 0, 0, engines_idle=idle)
+    assert m["threads_raised_at"] is not None and 2 in seen
+    assert torch.get_num_threads() == 1

@@ -387,11 +387,13 @@ class TrainerConfig:
     """Training iterations (one weight version each)."""
     threads: int = 1
     """torch CPU threads of the trainer (CPU only)."""
-    threads_after_generation: int = 0
+    threads_after_generation: int | str = "auto"
     """torch CPU threads of the trainer once the iteration's generation has ended, until the
-    barrier: the engines' cores are idle then (engines and trainer on one machine). 0 keeps
-    `threads`. Applies to the separated and off-policy modes (sync-separated trains wholly
-    after generation, so it gets them for all its training)."""
+    barrier: the engines' cores are idle then (sync-separated trains wholly after generation,
+    so it gets them for all its training). 'auto': on CPU, `threads` plus the cores of the
+    separate engine workers (engine.num_workers x engine.threads_per_worker), at most the
+    machine's cores; `threads` where no cores are freed (sync-colocated, engine.backend=local,
+    an accelerator, trainer ranks under torchrun). 0 keeps `threads`; N takes N."""
     output_dir: str = "runs/default"
     """Where the run writes config, metrics, trace and checkpoints."""
     save_every: int = 0
@@ -414,8 +416,9 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check(self.iterations >= 0, "trainer", "iterations", self.iterations, "must be >= 0")
         _check(self.threads >= 1, "trainer", "threads", self.threads, "must be >= 1")
-        _check(self.threads_after_generation >= 0, "trainer", "threads_after_generation",
-               self.threads_after_generation, "must be >= 0")
+        _check(self.threads_after_generation == "auto" or (isinstance(self.threads_after_generation, int)
+                                                             and self.threads_after_generation >= 0),
+               "trainer", "threads_after_generation", self.threads_after_generation, "expected 'auto' or an int >= 0")
         _check(self.save_every >= 0, "trainer", "save_every", self.save_every, "must be >= 0")
         _check(self.keep_last >= 1, "trainer", "keep_last", self.keep_last, "must be >= 1")
         _check(self.parallel in ("ddp", "fsdp"), "trainer", "parallel", self.parallel, "expected ddp or fsdp")
@@ -517,7 +520,12 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or value == "None":
             return None
-        return _convert(value, args[0], where)
+        for a in args[:-1]:  # the first type that takes the value (int | str: 2 is 2, 'auto' stays)
+            try:
+                return _convert(value, a, where)
+            except ConfigError:
+                pass
+        return _convert(value, args[-1], where)
     if origin is dict:
         key_tp, value_tp = typing.get_args(tp)
         if not isinstance(value, dict):

@@ -20,6 +20,7 @@ optimizer step of the iteration (see distributed.py); a single process is `Ranks
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Iterable
@@ -32,7 +33,7 @@ from periodic_async.batching import split_groups
 from periodic_async.config import RunConfig
 from periodic_async.parallel.distributed import Ranks
 from periodic_async.group import Group
-from periodic_async.model import resolve_dtype
+from periodic_async.model import resolve_device, resolve_dtype
 from periodic_async.trace import Tracer
 from periodic_async.trimodel import TriModel
 
@@ -56,6 +57,19 @@ class _Threads:
     def reset(self) -> None:
         if self.raised_at is not None:
             torch.set_num_threads(self.base)
+
+
+def threads_after_generation(cfg: RunConfig, distributed: bool = False) -> int:
+    """`trainer.threads_after_generation` resolved (see TrainerConfig): the trainer's torch
+    threads from the end of an iteration's generation to its barrier."""
+    t, e = cfg.trainer, cfg.engine
+    if t.threads_after_generation != "auto":
+        return t.threads_after_generation or t.threads
+    frees_cores = e.backend != "local" and cfg.pipeline.mode != "sync-colocated"
+    if distributed or not frees_cores or resolve_device(cfg.model.device).type != "cpu":
+        return t.threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(t.threads, min(cores, t.threads + e.num_workers * e.threads_per_worker))
 
 
 class Consumer:
@@ -103,7 +117,8 @@ class Consumer:
         for the rest of the iteration: on one machine the engines' cores are free until the
         barrier. (On GPUs the engines' devices cannot join a running trainer this way.)"""
         a = self.cfg.algorithm
-        threads = _Threads(self.cfg.trainer.threads, self.cfg.trainer.threads_after_generation, engines_idle)
+        threads = _Threads(self.cfg.trainer.threads, threads_after_generation(self.cfg, self.ranks.distributed),
+                           engines_idle)
         per_step = a.prompts_per_iteration // a.optimizer_steps_per_iteration
         batcher = MicroBatcher.from_config(a)
         acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
