@@ -16,8 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+
+
+def _log_to_stderr() -> None:
+    """The package's INFO lines (each weight push and its check: engine/verify.py) on stderr."""
+    log = logging.getLogger("periodic_async")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     from periodic_async.interrupt import Interrupted, install
 
     install()  # SIGINT / SIGTERM stop the run cleanly (checkpoint saved, engines and Ray closed)
+    _log_to_stderr()
     try:
         if args.command == "train":
             cfg = load_config(RunConfig, args.config, args.overrides)  # before the heavy imports: fails fast
