@@ -6,7 +6,7 @@ import torch
 
 from periodic_async.config import RunConfig, load_config
 from periodic_async.engine import make_engine
-from periodic_async.engine.collective import layout
+from periodic_async.engine.collective import aliases, layout
 from periodic_async.model import load_policy
 
 from conftest import engine_samples, worker_weights
@@ -24,7 +24,8 @@ def _samples(engine) -> dict:
 
 
 def test_layout_packs_every_tensor_once_aligned():
-    """Buckets hold each tensor once (a tied one once), at 64-byte aligned offsets, within the bound."""
+    """Buckets hold each tensor once (a tied one once, its other name kept as an alias: vLLM needs a
+    tied embedding under both names), at 64-byte aligned offsets, within the bound."""
     a, b = torch.randn(10, 7), torch.randn(300)
     state = {"a": a, "tied": a, "b": b, "h": torch.ones(3, dtype=torch.bfloat16)}
     buckets = layout(state, bucket_bytes=512)
@@ -32,6 +33,7 @@ def test_layout_packs_every_tensor_once_aligned():
     assert names == ["a", "b", "h"]
     assert all(e[3] % 64 == 0 for bk in buckets for e in bk["entries"])
     assert len(buckets) == 3  # 280 B, then 1200 B (alone: larger than the bound), then 6 B
+    assert aliases(state) == [("tied", "a")]
 
 
 def test_collective_sync_matches_object_store(tokenizer_dir):
