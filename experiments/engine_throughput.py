@@ -1,22 +1,31 @@
-"""Engine throughput: our continuous-batching engine vs transformers' static-batch `generate`.
+"""Engine throughput: our continuous-batching engine, vLLM and transformers' static `generate`.
 
-    bash experiments/engine_throughput.sh          # QUICK=1 for a < 2 min run; RESULTS_DIR=results
+    bash experiments/engine_throughput.sh          # QUICK=1 for a short run; RESULTS_DIR=results
 
-Both sides get the same requests (synthetic prompts through the chat template, G samples
-each, temperature 1) and the same per-request max_tokens, with eos ignored so every sample
-is exactly max_tokens long (random tiny models rarely emit eos): 'uniform' gives every
-request the same length, 'long-tail' draws it from a lognormal. The HF baseline runs static
-batches of max_num_seqs sequences (max_num_seqs / G prompts x G), each as long as its
-longest request; with W workers it is W processes of 1 thread, each on the requests our
-dispatcher gives that worker. Our engine is `RayEngine` with W actors of 1 thread. Only
-generation is timed (models are loaded and warmed first); tok/s counts useful tokens.
+Three engines get the same requests (synthetic prompts through the model's chat template, G
+samples each, temperature 1, a seed per request) and the same per-request max_tokens, with eos
+ignored so every sample is exactly max_tokens long: 'uniform' gives every request the same
+length, 'long-tail' draws it from a lognormal (median half, a few up to 6x). Engines:
 
-Protocol (periodic_async.bench): for each worker count the four systems (HF and ours, on each
-distribution) run interleaved for `--repeats` rounds (default 3; 1 with --quick); tok/s is the
-median with min and max, speedup the ratio of medians with the min/max of same-round ratios.
+    builtin   our `ContinuousBatcher` in Ray workers (engine.worker_backend=batcher)
+    vllm      vLLM in Ray workers (engine.worker_backend=vllm), continuous batching of its own
+    hf        static batches of max_num_seqs sequences (max_num_seqs / G prompts x G) through
+              `model.generate`, each batch as long as its longest request; W workers are W
+              processes, each on the requests our dispatcher gives that worker
 
-Also measures `update_weights` (object-store sync to every worker) for each model preset.
-Writes $RESULTS_DIR/engine.csv and $RESULTS_DIR/weight_sync.csv.
+Each worker has 1 thread. Two models: a tiny preset (random weights, vocabulary 512) with 1 and
+2 workers, and the real model SmolLM2-135M-Instruct (`python -m periodic_async prepare-model
+smollm2-135m`; vocabulary 49,152) with 1 worker. Only generation is timed (models loaded and
+warmed first); tok/s counts generated tokens.
+
+Protocol (periodic_async.bench): for each (model, workers) the six systems (three engines x two
+distributions) run interleaved for `--repeats` rounds (default 3; 1 with --quick); tok/s is the
+median with min and max, a ratio the ratio of medians with the min/max of same-round ratios.
+
+Also measures weight pushes: the built-in engine's object-store sync for each preset
+(weight_sync.csv), and vLLM's push (reload_weights) with the probe check (engine/verify.py:
+the largest gap between vLLM's and the trainer's log-probs of a fixed probe) for both models
+(vllm_push.csv). Writes $RESULTS_DIR/engine.csv, weight_sync.csv and vllm_push.csv.
 """
 
 from __future__ import annotations
@@ -38,9 +47,12 @@ import torch  # noqa: E402
 from periodic_async.bench.protocol import System, measure, write_csv  # noqa: E402
 from periodic_async.config import DataConfig, EngineConfig, ModelConfig, git_commit  # noqa: E402
 from periodic_async.data import make_synthetic, prompt_messages  # noqa: E402
-from periodic_async.engine import Request, SamplingParams, assign_workers  # noqa: E402
 from periodic_async.data.prompts import encode_chat  # noqa: E402
 from periodic_async.data.tokenizer import ensure_tokenizer  # noqa: E402
+from periodic_async.engine import Request, SamplingParams, assign_workers  # noqa: E402
+
+REAL_MODEL = "artifacts/smollm2-135m-instruct"
+ENGINES = ("builtin", "vllm", "hf")
 
 
 def make_requests(tokenizer, n_prompts: int, group: int, dist: str, uniform_tokens: int, seed: int) -> list[Request]:
@@ -116,6 +128,7 @@ def engine_throughput(engine, requests) -> float:
 
 
 def weight_sync(models, tokenizer_dir, workers, repeats=3) -> list[dict]:
+    """The built-in engine's object-store push of each preset to `workers` workers (median of `repeats`)."""
     from periodic_async.engine.ray_engine import RayEngine
     from periodic_async.model import load_policy, num_parameters
 
@@ -141,64 +154,143 @@ def weight_sync(models, tokenizer_dir, workers, repeats=3) -> list[dict]:
     return rows
 
 
+def vllm_push(engine, model_cfg, repeats=3, seed=0) -> dict:
+    """vLLM pushes of weights moved by 1e-3 x N(0, 1) (every tensor, tied embedding included),
+    each checked with the probe (engine/verify.py); also the gap of a push that was *not* made
+    (the control: the probe must see it)."""
+    from periodic_async.engine.verify import PushCheck, model_logprobs, probe_tokens
+    from periodic_async.model import load_policy
+
+    policy, _ = load_policy(model_cfg)
+    probe = probe_tokens(policy.config.vocab_size)
+    check = PushCheck(policy, probe, atol=1e-3)
+    g = torch.Generator().manual_seed(seed)
+    pushes, gaps, verify = [], [], []
+    for v in range(1, repeats + 1):
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(1e-3 * torch.randn(p.shape, generator=g))
+        state = policy.state_dict()
+        push_s = engine.update_weights(state, engine.version + 1)
+        got = check.after_push(engine, engine.version, push_s)
+        pushes.append(push_s)
+        gaps.append(max(got.values()))
+        verify.append(check.last["time/verify_s"])
+    with torch.no_grad():  # the control: the trainer moves on, the engine is not told
+        for p in policy.parameters():
+            p.add_(1e-3 * torch.randn(p.shape, generator=g))
+    engine_lp = engine.probe_logprobs(probe)
+    stale = max(float(np.max(np.abs(np.asarray(lp) - model_logprobs(policy, probe)))) for lp in engine_lp.values())
+    nbytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())
+    return dict(push_s=round(statistics.median(pushes), 3), push_s_min=round(min(pushes), 3),
+                push_s_max=round(max(pushes), 3), verify_s=round(statistics.median(verify), 3),
+                probe_max_gap=float(f"{max(gaps):.3g}"), gap_without_push=float(f"{stale:.3g}"),
+                tensors=len(state), bytes=nbytes, repeats=repeats)
+
+
+def hf_directory(name: str, tokenizer_dir: str, root: Path) -> str:
+    """A preset as an HF directory (vLLM loads directories): its seeded random weights saved once."""
+    from periodic_async.model import load_policy
+
+    out = root / name
+    if not (out / "config.json").is_file():
+        model, tok = load_policy(ModelConfig(name_or_path=name, tokenizer=tokenizer_dir, device="cpu"))
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+    return str(out.resolve())
+
+
+def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib) -> tuple[list[dict], dict]:
+    """The six systems of one (model, workers) interleaved; rows for engine.csv and the vLLM push row."""
+    from periodic_async.data.tokenizer import load_tokenizer
+    from periodic_async.engine.ray_engine import RayEngine
+
+    tokenizer = load_tokenizer(model_cfg.name_or_path)
+    requests = {d: make_requests(tokenizer, workload["n_prompts"], workload["group"], d, workload["uniform_tokens"],
+                                 seed=0) for d in ("uniform", "long-tail")}
+    cfgs = {e: EngineConfig(backend="ray", worker_backend="vllm" if e == "vllm" else "batcher", num_workers=workers,
+                            threads_per_worker=1, max_num_seqs=max_num_seqs, vllm_kv_cache_gib=kv_gib)
+            for e in ("builtin", "vllm")}
+    engines = {e: RayEngine(c, model_cfg) for e, c in cfgs.items()}
+    try:
+        systems = []
+        for d, reqs in requests.items():
+            common = {"model": label, "distribution": d, "workers": workers, "max_num_seqs": max_num_seqs, **workload}
+            systems += [System(f"hf/{d}", lambda reqs=reqs: {"tok_s": hf_throughput(model_cfg, reqs, workers,
+                                                                                     max_num_seqs)},
+                               {**common, "system": "hf-static-generate", "processes": workers, "threads": 1})]
+            systems += [System(f"{e}/{d}", lambda reqs=reqs, e=e: {"tok_s": engine_throughput(engines[e], reqs)},
+                               {**common, "system": e, "engine": vars(cfgs[e])}) for e in ("builtin", "vllm")]
+        res = measure(systems, repeats=repeats)
+        push = vllm_push(engines["vllm"], model_cfg) if workers == 1 else None
+    finally:
+        for e in engines.values():
+            e.close()
+    rows = []
+    for d, reqs in requests.items():
+        row = dict(model=label, distribution=d, workers=workers)
+        for e in ENGINES:
+            st = res[f"{e}/{d}"].stats("tok_s")
+            row.update({f"{e}_tok_s": round(st.median, 1), f"{e}_tok_s_min": round(st.min, 1),
+                        f"{e}_tok_s_max": round(st.max, 1)})
+        for a, b in (("vllm", "builtin"), ("vllm", "hf"), ("builtin", "hf")):
+            ra, rb = res[f"{a}/{d}"], res[f"{b}/{d}"]
+            paired = ra.ratio(rb, "tok_s")
+            row.update({f"{a}_vs_{b}": round(ra.stats("tok_s").median / rb.stats("tok_s").median, 3),
+                        f"{a}_vs_{b}_min": round(paired.min, 3), f"{a}_vs_{b}_max": round(paired.max, 3)})
+        row.update(faster=max(("builtin", "vllm"), key=lambda e: row[f"{e}_tok_s"]),
+                   tokens=sum(r.n * r.params.max_tokens for r in reqs), repeats=res[f"vllm/{d}"].repeats,
+                   git_commit=git_commit(), config_hash=res[f"vllm/{d}"].config_hash)
+        rows.append(row)
+        print(row, flush=True)
+    return rows, push
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small model and workload (< 2 min)")
+    ap.add_argument("--quick", action="store_true", help="small models and workloads")
     ap.add_argument("--repeats", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
     ap.add_argument("--results-dir", default=os.environ.get("RESULTS_DIR", "results"))
     ap.add_argument("--tokenizer", default="artifacts/tokenizer")
+    ap.add_argument("--runs", default="runs/engine_throughput")
+    ap.add_argument("--no-real-model", action="store_true", help="the tiny preset only")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
-    model = "qwen2-1m" if args.quick else "qwen2-5m"
-    n_prompts, group, max_num_seqs, uniform_tokens = (32, 4, 32, 64) if args.quick else (64, 4, 32, 96)
-    tokenizer = ensure_tokenizer(args.tokenizer)
-    model_cfg = ModelConfig(name_or_path=model, tokenizer=str(Path(args.tokenizer).resolve()), device="cpu")
+    tiny = "qwen2-1m" if args.quick else "qwen2-5m"
+    tiny_workload = dict(n_prompts=32, group=4, uniform_tokens=64) if args.quick else \
+        dict(n_prompts=64, group=4, uniform_tokens=96)
+    real_workload = dict(n_prompts=4, group=4, uniform_tokens=16) if args.quick else \
+        dict(n_prompts=8, group=4, uniform_tokens=64)
+    tok_dir = str(Path(args.tokenizer).resolve())
+    ensure_tokenizer(tok_dir)
     out_dir = Path(args.results_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    from periodic_async.engine.ray_engine import init_ray
+
+    init_ray(EngineConfig(backend="ray"))
+    rows, pushes = [], []
+    runs = [(tiny, hf_directory(tiny, tok_dir, Path(args.runs)), w, tiny_workload) for w in (1, 2)]
+    if not args.no_real_model:
+        if not (Path(REAL_MODEL) / "config.json").is_file():
+            raise SystemExit(f"{REAL_MODEL} is missing: python -m periodic_async prepare-model smollm2-135m")
+        runs.append(("smollm2-135m-instruct", str(Path(REAL_MODEL).resolve()), 1, real_workload))
+    for label, path, workers, workload in runs:
+        model_cfg = ModelConfig(name_or_path=path, device="cpu")
+        r, push = compare(model_cfg, label, workers, workload, repeats, max_num_seqs=32 if workload is tiny_workload
+                          else 16, kv_gib=1.0)
+        rows += r
+        if push:
+            pushes.append({"model": label, **push, "git_commit": git_commit()})
+            print(f"vllm push {pushes[-1]}", flush=True)
+    write_csv(out_dir / "engine.csv", rows)
+    write_csv(out_dir / "vllm_push.csv", pushes)
+    sync_rows = weight_sync(["qwen2-1m", "qwen2-5m", "qwen3-25m"], tok_dir, workers=2)
+    write_csv(out_dir / "weight_sync.csv", [{**r, "git_commit": git_commit()} for r in sync_rows])
     import ray
 
-    from periodic_async.engine.ray_engine import RayEngine
-
-    ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR")
-    rows = []
-    workloads = {d: make_requests(tokenizer, n_prompts, group, d, uniform_tokens, seed=0)
-                 for d in ("uniform", "long-tail")}
-    for workers in (1, 2):
-        engine_cfg = EngineConfig(backend="ray", num_workers=workers, threads_per_worker=1, max_num_seqs=max_num_seqs)
-        engine = RayEngine(engine_cfg, model_cfg)
-        workload = dict(n_prompts=n_prompts, group=group, uniform_tokens=uniform_tokens, seed=0)
-        systems = []
-        for d, reqs in workloads.items():
-            common = {"model": model, "distribution": d, "workers": workers, "max_num_seqs": max_num_seqs, **workload}
-            systems += [
-                System(f"hf/{d}", lambda reqs=reqs: {"tok_s": hf_throughput(model_cfg, reqs, workers, max_num_seqs)},
-                       {**common, "system": "hf-static-generate", "processes": workers, "threads": 1}),
-                System(f"engine/{d}", lambda reqs=reqs: {"tok_s": engine_throughput(engine, reqs)},
-                       {**common, "system": "ray-engine", "engine": vars(engine_cfg)}),
-            ]
-        try:
-            res = measure(systems, repeats=repeats)
-        finally:
-            engine.close()
-        for d, reqs in workloads.items():
-            ours, hf = res[f"engine/{d}"], res[f"hf/{d}"]
-            o, h, paired = ours.stats("tok_s"), hf.stats("tok_s"), ours.ratio(hf, "tok_s")
-            rows.append(dict(distribution=d, workers=workers, engine_tok_s=round(o.median, 1),
-                             hf_tok_s=round(h.median, 1), speedup=round(o.median / h.median, 3), model=model,
-                             tokens=sum(r.n * r.params.max_tokens for r in reqs),
-                             engine_tok_s_min=round(o.min, 1), engine_tok_s_max=round(o.max, 1),
-                             hf_tok_s_min=round(h.min, 1), hf_tok_s_max=round(h.max, 1),
-                             speedup_min=round(paired.min, 3), speedup_max=round(paired.max, 3),
-                             repeats=ours.repeats, git_commit=git_commit(), config_hash=ours.config_hash,
-                             hf_config_hash=hf.config_hash))
-            print(rows[-1], flush=True)
-    write_csv(out_dir / "engine.csv", rows)
-    sync_rows = weight_sync(["qwen2-1m", "qwen2-5m", "qwen3-25m"], model_cfg.tokenizer, workers=2)
-    write_csv(out_dir / "weight_sync.csv", [{**r, "git_commit": git_commit()} for r in sync_rows])
     ray.shutdown()
-    print(f"wrote {out_dir / 'engine.csv'} and {out_dir / 'weight_sync.csv'}")
+    print(f"wrote {out_dir / 'engine.csv'}, {out_dir / 'vllm_push.csv'} and {out_dir / 'weight_sync.csv'}")
 
 
 if __name__ == "__main__":
