@@ -9,6 +9,11 @@ seed in float64 (the paper, Sec. method point 4), and the negative control that 
     two-steps    algorithm.optimizer_steps_per_iteration=2 in both modes: the first step sees
                  the first half of the groups, in dataset order (sync) or completion order
                  (async), so the weights part after iteration 0 and the samples from then on.
+    real-model   the same on SmolLM2-135M-Instruct in float32 (`python -m periodic_async
+                 prepare-model smollm2-135m`), through its chat template: the samples are
+                 identical until a float32 summation-order difference in the trainer flips a
+                 token, and the weight gap per iteration is float32 rounding.
+    real-model-two-steps   its negative control.
 The runs stop after every iteration and resume from their checkpoint (resuming continues the
 same trajectory: tests/test_pipeline.py), so the weights are compared after each iteration.
 The control uses the in-process engine, whose lock-step workers give a completion order that
@@ -35,7 +40,12 @@ from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async"]
-CASES = {"equivalent": ([], "ray"), "two-steps": (["algorithm.optimizer_steps_per_iteration=2"], "local")}
+REAL_MODEL = ["model.name_or_path=artifacts/smollm2-135m-instruct", "model.dtype=float32", "data.few_shot=0",
+              "algorithm.group_size=4", "algorithm.prompts_per_iteration=4", "engine.max_tokens=32",
+              "engine.max_num_seqs=8", "algorithm.micro_batch_tokens=512", "trainer.iterations=3"]
+CASES = {"equivalent": ([], "ray"), "two-steps": (["algorithm.optimizer_steps_per_iteration=2"], "local"),
+         "real-model": (REAL_MODEL, "ray"),
+         "real-model-two-steps": (REAL_MODEL + ["algorithm.optimizer_steps_per_iteration=2"], "local")}
 COLUMNS = ["case", "iteration", "samples", "identical_samples", "identical_fraction", "max_abs_weight_diff",
            "max_abs_weight_change", "trained_in_other_order"]
 
@@ -44,7 +54,8 @@ def _weights(run_dir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint", dtype=torch.float64).state_dict()
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint", dtype=torch.float64)
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -83,24 +94,37 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--results", default="results")
     ap.add_argument("--runs", default="runs/equivalence")
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap.add_argument("--cases", default=None, help=f"comma-separated cases (default: all of {list(CASES)}); "
+                    "the other cases' rows of an earlier run are kept")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    extra = (["trainer.iterations=2"] if args.quick else []) + ["logging.wandb_group=equivalence"] + args.overrides
+    # QUICK runs the same code on the tiny model's cases (the real-model cases differ only in config)
+    cases = args.cases.split(",") if args.cases else [c for c in CASES if not (args.quick and c.startswith("real"))]
+    if unknown := [c for c in cases if c not in CASES]:
+        raise SystemExit(f"--cases: {unknown} not in {list(CASES)}")
+    quick = ["trainer.iterations=2"] if args.quick else []
+    extra = ["logging.wandb_group=equivalence"] + args.overrides
     from periodic_async.model import PRESETS
 
     model = load_config(RunConfig, HERE / "equivalence.yaml", extra).model.name_or_path
-    if model not in PRESETS and not Path(model).is_dir():
+    tiny = any(not c.startswith("real") for c in cases)
+    if tiny and model not in PRESETS and not Path(model).is_dir():
         raise SystemExit(f"{model} not found: run `bash experiments/warm_start.sh` first (or pass model.name_or_path=...)")
-    if Path(model).is_dir():  # one frozen copy: every run (and resume) starts from the same weights
+    if tiny and Path(model).is_dir():  # one frozen copy: every run (and resume) starts from the same weights
         frozen = Path(args.runs) / "base_model"
         shutil.rmtree(frozen, ignore_errors=True)
         shutil.copytree(model, frozen, ignore=shutil.ignore_patterns("wandb", "*.jsonl"))
         extra.append(f"model.name_or_path={frozen}")
-    rows = []
-    for case, (overrides, backend) in CASES.items():
-        rows += run_case(case, extra + overrides, backend, Path(args.runs))
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
+    old = out / "equivalence.csv"
+    rows = [r for r in csv.DictReader(old.open())] if old.is_file() else []
+    rows = [{**r, "max_abs_weight_diff": float(r["max_abs_weight_diff"]),
+             "max_abs_weight_change": float(r["max_abs_weight_change"])} for r in rows if r["case"] not in cases]
+    for case in cases:
+        overrides, backend = CASES[case]
+        rows += run_case(case, extra + overrides + quick, backend, Path(args.runs))
+    rows.sort(key=lambda r: (list(CASES).index(r["case"]), int(r["iteration"])))
     with (out / "equivalence.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()

@@ -170,7 +170,7 @@ def plot_equivalence(csv_path: str | Path, out_path: str | Path):
     rows = list(csv.DictReader(Path(csv_path).open()))
     floor = 1e-18
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for case, style in zip(dict.fromkeys(r["case"] for r in rows), ("o-", "s--", "^:")):
+    for case, style in zip(dict.fromkeys(r["case"] for r in rows), ("o-", "s--", "^-", "v--", "d:")):
         mine = [r for r in rows if r["case"] == case]
         its = [int(r["iteration"]) for r in mine]
         axes[0].plot(its, [max(float(r["max_abs_weight_diff"]), floor) for r in mine], style, label=case)
