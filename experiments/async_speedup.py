@@ -49,12 +49,19 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--results", default="results")
     ap.add_argument("--runs", default="runs/async_speedup")
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap.add_argument("--config", default=str(HERE / "async_speedup.yaml"),
+                    help="the workload (e.g. experiments/async_balanced.yaml)")
+    ap.add_argument("--tag", default="", help="suffix of the outputs: async_speedup_<tag>.csv, ...")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
-    base = load_config(RunConfig, HERE / "async_speedup.yaml", args.overrides)
+    config = Path(args.config)
+    name = f"async_speedup_{args.tag}" if args.tag else "async_speedup"
+    base = load_config(RunConfig, config, args.overrides)
     extra = []
-    if not Path(base.model.name_or_path).is_dir():
+    from periodic_async.model import PRESETS
+
+    if base.model.name_or_path not in PRESETS and not Path(base.model.name_or_path).is_dir():
         print(f"[async_speedup] {base.model.name_or_path} not found (run `bash run_all.sh` for the warm start); "
               "using the random qwen2-1m preset")
         extra.append("model.name_or_path=qwen2-1m")
@@ -64,8 +71,8 @@ def main(argv=None) -> list[dict]:
     engines = SharedEngines()
     systems = []
     for mode in MODES:
-        cfg = load_config(RunConfig, HERE / "async_speedup.yaml", args.overrides + extra + MODE_OVERRIDES[mode] + [
-            f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{mode}"])
+        cfg = load_config(RunConfig, config, args.overrides + extra + MODE_OVERRIDES[mode] + [
+            f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{mode}"])
         systems.append(System(mode, lambda cfg=cfg: run(cfg, engine=engines.get(cfg)), cfg))
     try:
         res = measure(systems, repeats=repeats, ignore_settings=("trainer.output_dir",))
@@ -94,25 +101,26 @@ def main(argv=None) -> list[dict]:
                "bound_overlapped", "speedup_vs_sync_colocated", "repeats", "devices", "git_commit", "config_hash",
                "settings"]
     out = Path(args.results)
-    write_csv(out / "async_speedup.csv", rows, columns)
+    write_csv(out / f"{name}.csv", rows, columns)
     phases = [{"mode": m, **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s",
                                                                       "mean_iteration_s")},
                "tokens_per_s_per_device": round(r.stats("tokens_per_s_per_device").median, 1),
                "devices": r.runs[0]["devices"], "repeats": r.repeats, "git_commit": r.provenance()["git_commit"],
                "config_hash": r.config_hash} for m, r in res.items()]
-    write_csv(out / "async_speedup_phases.csv", phases)
+    write_csv(out / f"{name}_phases.csv", phases)
     timeline = []
     for m in ("sync-separated", "periodic-async"):  # keep the last round's traces: the notebook redraws from results/
-        trace = out / "timeline" / f"{m}.trace.jsonl"
-        trace.parent.mkdir(exist_ok=True)
-        shutil.copy(Path(args.runs) / m / "trace.jsonl", trace)
+        trace = out / ("timeline" if not args.tag else f"timeline_{args.tag}") / f"{m}.trace.jsonl"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(args.runs) / name / m / "trace.jsonl", trace)
         timeline.append((f"{m}: {res[m].runs[-1]['tokens_per_s']:.0f} tokens/s (last round)", trace))
-    plot_timeline(timeline, Path(args.figures) / "timeline.png")
-    plot_async_speedup(out / "async_speedup.csv", Path(args.figures) / "async_speedup.png")
+    suffix = f"_{args.tag}" if args.tag else ""
+    plot_timeline(timeline, Path(args.figures) / f"timeline{suffix}.png")
+    plot_async_speedup(out / f"{name}.csv", Path(args.figures) / f"{name}.png")
     for r in rows:
         print({k: v for k, v in r.items() if k not in ("git_commit", "settings")})
     print(f"[async_speedup] T_gen={t_gen:.2f}s T_train={t_train:.2f}s bound={bound:.2f} (medians of {repeats} rounds); "
-          f"wrote {out}/async_speedup.csv, {args.figures}/timeline.png")
+          f"wrote {out}/{name}.csv, {args.figures}/timeline{suffix}.png")
     return rows
 
 
