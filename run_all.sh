@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # The CPU-scale reproduction, end to end: warm start, then one experiment per paper claim,
-# then the README tables from the results they wrote.
-#   bash run_all.sh            full run (about 15 minutes on a quiet 2-core machine, measured
-#                              before table2_throughput, fig1_timeline and equivalence joined;
-#                              goal: 60 minutes with them)
+# then the tables (docs/results.md, the README's claims) from the results they wrote.
+#   bash run_all.sh            full run (the experiments add up to about two hours on a 2-core CPU;
+#                              each one's time: docs/reproduce.md)
 #   QUICK=1 bash run_all.sh    smoke run of the same path; implies FORCE=1 (measured: 1061 s on 2 cores
-#                              at 61ac3db, .venv installed; the goal of 5 minutes is not met)
+#                              at 61ac3db, .venv installed)
 #   FORCE=1 bash run_all.sh    rerun experiments whose results are already there
 # An experiment is skipped when its main CSV exists in RESULTS_DIR (default results), which
 # redirects every CSV (and the figures, to $RESULTS_DIR/figures).
@@ -46,7 +45,7 @@ for exp in warm_start table2_throughput engine_throughput shared_prompt_ablation
   experiment "$exp"
 done
 if [ "$RESULTS_DIR" = results ]; then
-  step "README tables from results/"
+  step "tables from results/ (docs/results.md, README.md)"
   python scripts/update_readme.py
 fi
 echo "done in $((SECONDS - t_all)) s: results in $RESULTS_DIR/, figures in $FIGURES_DIR/"

@@ -28,24 +28,7 @@ Writes
 In exact arithmetic sync-separated and periodic-async are the same run; in fp32 they share
 every sampled token unless a summation-order difference flips one (tokens_identical_iterations).
 
-Search notes (qwen2-1m; B=64, G=8, T=0.7 unless stated; held-out greedy accuracy on n = 500).
-1-2 step problems (what the base was trained on): from the 700-step warm start on the 1-3 step
-task (0.48, entropy 0.12-0.15 nats) 40 iterations at lr 1e-4 stayed flat and lr 5e-4 collapsed
-the reward. From the 300-step base of rl_base.yaml (0.528): lr 3e-4 -> 0.28 after 40 (B=32,
-T=1); lr 3e-4 with adam_eps 1e-5 -> 0.32 after 10; lr 1.5e-4 cosine -> 0.37 after 20; lr 5e-5
-constant -> 0.566 after 40, 0.546 after 80; lr 1e-4 cosine (160 iterations, warm-up 10) -> 0.50
-after 20-40, then 0.55 / 0.58 / 0.60 / 0.61 / 0.60 at 80 / 100 / 120 / 140 / 160: +7 points in
-21 minutes. A shuffled-advantage control (lr 1e-4, each group's advantages permuted: same
-magnitudes, no reward information) fell to 0.26 after 10 iterations against 0.49 with the real
-advantages: the signal is real, but the zero-mean noise of a 0/1 reward over a few hundred
-samples, turned by Adam into a step of about lr on every weight, costs this 0.8M-parameter
-model accuracy at any lr that moves it fast; what it gains comes as the cosine decay shrinks
-the step. Errors on 1-2 step problems are spread over many arithmetic facts (first wrong line:
-a wrong result 168, a misread operand 66 of 236 failures), each needing its own signal.
-One-step problems (these settings): the same base solves 0.744 greedy; its errors are a
-misread operand (84 of 128) or a wrong sum (44), a single token each. lr 1e-4 cosine over 100
-iterations (the in-process engine, sync-colocated) moved it to 0.762 / 0.744 / 0.818 / 0.888 /
-0.886 / 0.910 / 0.928 / 0.934 / 0.944 / 0.946 at 10, 20, ..., 100 (+20 points in 9 minutes).
+How the settings were chosen (the lr, schedule and task searched): docs/notes/reward_curves_search.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Scale-out: what this machine can measure, the simulator calibrated on it, and the simulator's
+"""Scale-out: what a 2-core CPU can measure, the simulator calibrated on it, and the simulator's
 predictions (labelled simulated) for 16-64 accelerators.
 
     python experiments/scaling.py [--quick] [--repeats 2] [--results results] [--figures figures]
@@ -6,7 +6,7 @@ predictions (labelled simulated) for 16-64 accelerators.
 
 1. Measured (experiments/scaling.yaml, the bench protocol: systems interleaved round by round,
    median with min and max, first iteration of every run excluded, commit + config hash per
-   row): sync-separated and periodic-async with 1 and 2 engine workers (engine.num_workers). On this 2-core machine periodic-async with 2 engine
+   row): sync-separated and periodic-async with 1 and 2 engine workers (engine.num_workers). On a 2-core CPU periodic-async with 2 engine
    workers runs 3 busy workers on 2 cores: it measures oversubscription, not scale-out, and
    the simulator models it as such (processor sharing). With --trainer-ranks also sync-separated
    with 1 and 2 torchrun trainer ranks (periodic_async.parallel.distributed; each run a subprocess with
@@ -49,9 +49,9 @@ SYSTEMS = {  # name -> overrides over scaling.yaml
     "periodic-async/e1": ["pipeline.mode=periodic-async", "engine.num_workers=1"],
     "periodic-async/e2": ["pipeline.mode=periodic-async", "engine.num_workers=2"],
 }
-# sync-colocated is not measured here: with 2 trainer threads on a loaded shared 2-core machine
-# its training ran 18x slower than with one thread (OpenMP threads waiting on each other), a
-# property of this machine, not of co-location; the simulator's co-located mode is checked by
+# sync-colocated is not measured: with 2 trainer threads on a loaded, shared 2-core CPU its
+# training ran 18x slower than with one thread (OpenMP threads waiting on each other), a
+# property of an oversubscribed machine, not of co-location; the simulator's co-located mode is checked by
 # tests/test_simulate.py against hand computations instead.
 PREDICTION = dict(batch=512, group=16, prompt_tokens=512, response_median=1024, response_sigma=0.7, max_tokens=8192,
                   max_num_seqs=256, micro_batch_tokens=65536, shared_prompt=True)

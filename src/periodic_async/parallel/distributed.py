@@ -1,6 +1,6 @@
 """Trainer ranks over torch.distributed: data parallel (DDP-style) or FSDP2, streaming kept exact.
 
-Launch (one node, N devices; several nodes: README)::
+Launch (one node, N devices; several nodes: docs/scaling.md)::
 
     torchrun --nproc-per-node=N -m periodic_async train --config ...
 
