@@ -200,6 +200,30 @@ def test_vllm_in_process_leaves_the_trainer_threads(inproc):
     assert inproc.batcher.on_cpu
 
 
+def test_vllm_in_process_serves_a_fresh_thread(inproc, tokenizer):
+    """The producer generates in a new thread each iteration. vLLM's CPU attention splits its work
+    by the calling thread's raw OpenMP count (the machine's cores in a fresh thread) and runs it
+    on torch's count (1 here), and refuses the mismatch ("Check failed: ... thread_num (2 vs.
+    1)"); the engine sets the calling thread's count before each step, so a fresh thread samples
+    what the main thread samples. (Cannot fail on a 1-core machine or with OMP_NUM_THREADS=1.)"""
+    import threading
+
+    reqs = requests(tokenizer, n=2, prefix="t")
+    in_main = samples_of(inproc, reqs)
+    got, errors = {}, []
+
+    def generate():
+        try:
+            got.update(samples_of(inproc, reqs))
+        except Exception as e:  # reported below, with the test's assertion
+            errors.append(e)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    thread.join()
+    assert not errors and got == in_main, errors
+
+
 def test_vllm_ray_workers_match_in_process(inproc, ray_vllm, model_dir, tokenizer):
     """The same weights pushed to the in-process engine and to a vLLM Ray worker (object store):
     the same requests give identical tokens and log-probs. The worker runs on the one thread it

@@ -14,7 +14,9 @@ the CUDA build `vllm` runs the same code (not tested here). Guarantees:
   worker's `engine.threads_per_worker` in a Ray worker. vLLM pins OpenMP threads only in its
   multiprocess executor (`VLLM_CPU_OMP_THREADS_BIND`, `VLLM_CPU_NUM_OF_RESERVED_CPU`), which is
   not used (bind set to 'nobind' all the same), and its CPU worker replaces
-  `torch.set_num_threads` by a no-op; the function and the thread count are restored after start.
+  `torch.set_num_threads` by a no-op; the function and the thread count are restored after start,
+  and every call sets the calling thread's count to it (a fresh thread's raw OpenMP count, all
+  cores, differs from torch's, and vLLM's CPU attention refuses a step that mixes the two).
 - Memory. The KV cache is `engine.vllm_kv_cache_gib` (vLLM's kv_cache_memory_bytes), not vLLM's
   default share of memory (0.92 of all RAM on CPU); 0 lets vLLM size it on a GPU (0.9 of the
   worker's GPU share). `close()` shuts the engine core down and its memory is returned, so
@@ -181,6 +183,7 @@ class VLLMBatcher:
             torch.set_num_threads = set_num_threads
             set_num_threads(threads)
         _live.append(self)
+        self.threads = threads
         self.start_s = time.perf_counter() - t
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         self._pending: dict[str, float] = {}  # request id -> submit time, until vLLM finishes it
@@ -192,12 +195,22 @@ class VLLMBatcher:
     def has_work(self) -> bool:
         return bool(self._pending)
 
+    def _own_threads(self) -> None:
+        """Run vLLM's kernels on the thread count it started with, in whichever thread calls
+        (the producer's, in-process): its CPU attention sizes its work split by the OpenMP
+        threads of the calling thread and refuses a step whose count changed in between
+        ("Check failed: input->metadata->thread_num == thread_num")."""
+        if self.on_cpu and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
     def submit(self, requests: list[Request]) -> None:
+        self._own_threads()
         for r in requests:
             self.llm.llm_engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt_ids)}, self._params(r))
             self._pending[r.request_id] = time.time()
 
     def step(self) -> list[RequestOutput]:
+        self._own_threads()
         done = []
         for out in self.llm.llm_engine.step():
             if out.finished and out.request_id in self._pending:
@@ -225,6 +238,7 @@ class VLLMBatcher:
 
         if self.has_work:  # a real check: python -O keeps it
             raise RuntimeError("probe_logprobs while requests are in flight")
+        self._own_threads()
         rid = f"probe-{self.worker}-{self._probes}"
         self._probes += 1
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0,
