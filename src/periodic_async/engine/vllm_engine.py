@@ -227,6 +227,7 @@ class VLLMBatcher:
         """Reload `state_dict` (HF names, every key of `state_dict()`) in place; reset the prefix cache."""
         if self.has_work:  # a real check: python -O keeps it
             raise RuntimeError("update_weights while requests are in flight would mix versions")
+        self._own_threads()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(state_dict.items()))})
         if not self.llm.reset_prefix_cache():  # cached prompt KV belongs to the old weights
             raise RuntimeError("vLLM did not reset its prefix cache after the weight reload")
