@@ -150,6 +150,7 @@ class VLLMBatcher:
                                  "(one engine.backend=vllm engine per process)")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (module docstring)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its start-up log with VLLM_LOGGING_LEVEL=INFO
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
