@@ -188,7 +188,8 @@ def measured_runs(tokenizer_dir, tmp_path_factory):
             "engine.num_workers": 1, "engine.max_num_seqs": 8, "engine.max_tokens": 24, "engine.stop": "e",
             "algorithm.group_size": 4, "algorithm.prompts_per_iteration": 12, "algorithm.micro_batch_tokens": 96,
             "trainer.iterations": 4, "trainer.eval_at_end": False, "logging.wandb_mode": "disabled",
-            "logging.progress": False}
+            "logging.progress": False,
+            "trainer.threads_after_generation": 0}  # the simulator models a trainer of fixed size
     cfgs = {m: load_config(RunConfig, None, [f"{k}={v}" for k, v in {**base, "pipeline.mode": m,
                                                                      "trainer.output_dir": str(tmp / m)}.items()])
             for m in ("sync-separated", "periodic-async")}
