@@ -188,6 +188,9 @@ def main(argv=None) -> list[dict]:
             systems = [trl_system(plan, setting, extra, runs, model_dir_of, name) for name in TRL_SYSTEMS]
             systems += [pipeline_system(plan, setting, m, shared, extra, runs, engines)
                         for m in MODES for shared in (False, True)]
+            if setting in plan.get("systems_of_setting", {}):  # a setting that runs only some systems
+                keep = plan["systems_of_setting"][setting]
+                systems = [s for s in systems if s.name in keep]
             res = measure(systems, repeats=bench["repeats"], warmup_rounds=bench["warmup_rounds"],
                           ignore_settings=IGNORE)
             cfg0 = systems[len(TRL_SYSTEMS)].settings
