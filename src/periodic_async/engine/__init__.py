@@ -23,7 +23,6 @@ from periodic_async.engine.base import (Engine, EngineError, Request, RequestOut
 __all__ = ["Engine", "EngineError", "Request", "RequestOutput", "Sample", "SamplingParams", "WeightSync",
            "assign_workers", "make_engine"]
 
-
 def make_engine(engine_cfg, model_cfg, backend: str | None = None) -> Engine:
     """Build the engine named by `backend` (default `engine_cfg.backend`); it starts at version 0."""
     backend = backend or engine_cfg.backend
@@ -33,6 +32,7 @@ def make_engine(engine_cfg, model_cfg, backend: str | None = None) -> Engine:
         return LocalEngine.from_config(engine_cfg, model_cfg)
     if backend == "ray":
         from periodic_async.engine.ray_engine import RayEngine
+
 
         sync = None
         if engine_cfg.weight_sync == "collective":

@@ -217,6 +217,12 @@ STARTUP_TIMEOUT_S = 300.0
 
 class RayEngine(Engine):
     def __init__(self, engine_cfg, model_cfg, sync: WeightSync | None = None):
+        if engine_cfg.worker_backend == "auto":  # the rule: vllm_engine.resolve_worker_backend
+            from periodic_async.engine.vllm_engine import resolve_worker_backend
+
+            chosen = resolve_worker_backend(engine_cfg, model_cfg)
+            log.info("engine.worker_backend=auto: %s for %s", chosen, model_cfg.name_or_path)
+            engine_cfg = dataclasses.replace(engine_cfg, worker_backend=chosen)
         self.cfg = engine_cfg
         self.timeout_s = engine_cfg.timeout_s
         self._owns_ray = init_ray(engine_cfg)
