@@ -86,17 +86,22 @@ def main(argv=None) -> None:
     ap.add_argument("--results", default=os.environ.get("RESULTS_DIR", "results"))
     ap.add_argument("--runs", default="runs/reward_curves")
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap.add_argument("--config", default=str(HERE / "reward_curves.yaml"),
+                    help="the experiment (e.g. experiments/reward_curves_real.yaml)")
+    ap.add_argument("--tag", default="", help="suffix of the outputs: reward_curves_<tag>.csv, ...")
     ap.add_argument("overrides", nargs="*", help="section.key=value, applied to every mode")
     args = ap.parse_intermixed_args(argv)
     extra = (QUICK if args.quick else []) + list(args.overrides)
-    base = load_config(RunConfig, HERE / "reward_curves.yaml", extra)
+    config = Path(args.config)
+    name = f"reward_curves_{args.tag}" if args.tag else "reward_curves"
+    base = load_config(RunConfig, config, extra)
     if not Path(base.model.name_or_path).is_dir() and base.model.name_or_path not in PRESETS:
-        raise SystemExit(f"{base.model.name_or_path} does not exist: run `bash experiments/reward_curves.sh`, "
-                         "which builds it with experiments/rl_base.yaml")
+        raise SystemExit(f"{base.model.name_or_path} does not exist: run `bash experiments/{name}.sh`, "
+                         "which builds it")
     rows, summary, outs = {}, [], {}
     for mode in MODES:
-        cfg = load_config(RunConfig, HERE / "reward_curves.yaml",
-                          extra + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{mode}"])
+        cfg = load_config(RunConfig, config,
+                          extra + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{mode}"])
         cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
         s = run(cfg)
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -129,14 +134,13 @@ def main(argv=None) -> None:
                      tokens_identical_iterations=identical_iterations(outs[s["mode"]], outs[sync]))
     res = Path(args.results)
     res.mkdir(parents=True, exist_ok=True)
-    for name, table in (("reward_curves.csv", [r for m in rows for r in rows[m]]),
-                        ("reward_curves_summary.csv", summary)):
-        with (res / name).open("w", newline="") as f:
+    for file, table in ((f"{name}.csv", [r for m in rows for r in rows[m]]), (f"{name}_summary.csv", summary)):
+        with (res / file).open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(table[0]))
             w.writeheader()
             w.writerows(table)
-        print(f"wrote {res / name}")
-    print(f"wrote {plot_reward_curves(res / 'reward_curves.csv', Path(args.figures) / 'reward_curves.png')}")
+        print(f"wrote {res / file}")
+    print(f"wrote {plot_reward_curves(res / f'{name}.csv', Path(args.figures) / f'{name}.png')}")
     for s in summary:
         print(s)
 
