@@ -26,6 +26,7 @@ declare -A MAIN_CSV=(
   [shared_prompt_ablation]=shared_prompt.csv [trimodel_cost]=trimodel_cost.csv [async_speedup]=async_speedup.csv
   [shared_async]=shared_async.csv [reward_curves]=reward_curves_summary.csv [fig1_timeline]=fig1_timeline.csv
   [equivalence]=equivalence.csv [scaling]=scaling_measured.csv [soak]=soak_summary.csv
+  [reward_curves_real]=reward_curves_real_summary.csv
 )
 experiment() {  # run experiments/$1.sh unless its main CSV is there (and the warm start's model)
   local exp=$1 csv="$RESULTS_DIR/${MAIN_CSV[$1]}" t0=$SECONDS
@@ -41,7 +42,7 @@ experiment() {  # run experiments/$1.sh unless its main CSV is there (and the wa
 step "tokenizer"
 python -m periodic_async tokenizer artifacts/tokenizer
 for exp in warm_start table2_throughput engine_throughput shared_prompt_ablation trimodel_cost async_speedup \
-           shared_async reward_curves fig1_timeline equivalence scaling soak; do
+           shared_async reward_curves fig1_timeline equivalence scaling soak reward_curves_real; do
   experiment "$exp"
 done
 if [ "$RESULTS_DIR" = results ]; then

@@ -138,3 +138,18 @@ def test_experiment_loads_are_found():
     assert experiment_loads("runpy.run_path('experiments/x.py')", experiments) == ["run_path(...)"]
     assert experiment_loads("sys.path.insert(0, 'experiments')", experiments) == ["sys.path.insert(...)"]
     assert experiment_loads("subprocess.run([sys.executable, 'experiments/fig1_timeline.py'])", experiments) == []
+
+
+def test_run_all_runs_every_experiment_and_quick_reaches_each():
+    """`bash run_all.sh` runs every experiments/<name>.sh, and each script reads QUICK (so
+    `QUICK=1 bash run_all.sh` runs every experiment's code path at its smoke size)."""
+    root = PACKAGE.parents[1]
+    text = (root / "run_all.sh").read_text()
+    loop = text[text.index("for exp in"):text.index("; do", text.index("for exp in"))]
+    listed = set(loop.replace("\\", " ").split()[3:])
+    scripts = {p.stem for p in (root / "experiments").glob("*.sh")}
+    assert scripts - listed == set(), f"experiments run_all.sh does not run: {sorted(scripts - listed)}"
+    assert listed - scripts == set(), f"run_all.sh names missing scripts: {sorted(listed - scripts)}"
+    for name in sorted(scripts):
+        assert "QUICK" in (root / "experiments" / f"{name}.sh").read_text(), f"experiments/{name}.sh ignores QUICK"
+        assert f"[{name}]=" in text, f"run_all.sh has no main CSV for {name}"
