@@ -50,11 +50,17 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
                       "Shared-prompt vs per-response packing, forward+backward (paper: about 8x on long "
                       "prompts); `token_bound` = (G·P + ΣR) / (P + ΣR) is the ceiling, `efficiency` the share "
                       "of it kept."),
+    "vllm_push": ("vllm_push.csv", "experiments/engine_throughput.sh",
+                  "Weight pushes into a vLLM Ray worker (reload_weights, every tensor, tied embedding under both "
+                  "names), each checked by the probe: the largest gap between vLLM's and the trainer's log-probs "
+                  "of a fixed sequence, and the gap when the push was not made (what the check catches)."),
     "engine": ("engine.csv", "experiments/engine_throughput.sh",
-               "Continuous-batching engine vs Hugging Face static-batch `generate`, tokens/s (how much of a gain "
-               "is continuous batching alone: a question the paper leaves open).",
-               ["distribution", "workers", "engine_tok_s", "hf_tok_s", "speedup", "speedup_min", "speedup_max", "model",
-                "tokens", "repeats"]),
+               "Our continuous-batching engine (builtin), vLLM and Hugging Face static-batch `generate` (hf), "
+               "generated tokens/s with one thread per worker (how much of a gain is continuous batching "
+               "alone: a question the paper leaves open; `faster` decides engine.worker_backend=auto).",
+               ["model", "distribution", "workers", "builtin_tok_s", "vllm_tok_s", "hf_tok_s", "vllm_vs_builtin",
+                "vllm_vs_builtin_min", "vllm_vs_builtin_max", "builtin_vs_hf", "vllm_vs_hf", "faster", "tokens",
+                "repeats"]),
     "trimodel_cost": ("trimodel_cost.csv", "experiments/trimodel_cost.sh",
                       "Tri-model micro-step cost against a policy-only forward/backward."),
     "table2_throughput": ("table2_throughput.csv", "experiments/table2_throughput.sh",
@@ -103,6 +109,7 @@ def _x(v, digits: int = 2) -> str:
 def _table2(rows):
     best = [r for r in rows if r["system"] == "periodic-async" and r["shared_prompt"] == "True"]
     return "; ".join(f"{r['setting']}: {_x(r['speedup_vs_trl'], 1)} TRL's GRPOTrainer"
+                     + (" with vLLM" if r.get("trl_baseline") == "trl-grpo-vllm" else "")
                      + (f" (min-max {_x(r['speedup_vs_trl_min'], 1)}-{_x(r['speedup_vs_trl_max'], 1)})"
                         if r.get("speedup_vs_trl_min") else "") for r in best) + " (periodic-async, shared prompt)"
 
