@@ -106,15 +106,17 @@ def pipeline_system(plan, setting, mode, shared, extra, runs: Path, engines: Sha
 TRL_SYSTEMS = ("trl-grpo", "trl-grpo-vllm")  # TRL generating with transformers.generate / with vLLM
 
 
-def trl_plan(plan: dict, name: str) -> dict:
-    """TRL's settings for system `name`: the plan's `trl`, with `trl_vllm` over it for trl-grpo-vllm."""
-    return {**plan["trl"], **plan.get("trl_vllm", {}), "vllm": True} if name == "trl-grpo-vllm" else dict(plan["trl"])
+def trl_plan(plan: dict, name: str, setting: str) -> dict:
+    """TRL's settings for system `name` in `setting`: the plan's `trl` (a value given per setting
+    as a mapping takes that setting's), with `trl_vllm` over it for trl-grpo-vllm."""
+    trl = {**plan["trl"], **plan.get("trl_vllm", {}), "vllm": True} if name == "trl-grpo-vllm" else dict(plan["trl"])
+    return {k: v[setting] if isinstance(v, dict) and setting in v else v for k, v in trl.items()}
 
 
 def trl_system(plan, setting, extra, runs: Path, model_dir_of, name: str = "trl-grpo") -> System:
     cfg = run_config(plan, setting, extra)
     out = runs / setting / name
-    trl = trl_plan(plan, name)
+    trl = trl_plan(plan, name, setting)
     settings = trl_settings(cfg, trl, load_policy_tokenizer(cfg))
     return System(name, lambda: run_trl(cfg, trl, model_dir_of(cfg), out), settings)
 

@@ -30,8 +30,9 @@ colocate branch of `VLLMGeneration.sync_weights` by vLLM's own reload path,
 `model.embed_tokens.weight`: sent under one name only, vLLM keeps the old LM head), then
 TRL's `reset_prefix_cache()`. Nothing else of TRL changes: generation, scoring, loss and
 optimizer are TRL's. Each trl-grpo-vllm run is a fresh process (`python -m
-periodic_async.bench.trl`), so its vLLM engine, its OpenMP thread binding and its
-torch.distributed group never touch the benchmark's other systems.
+periodic_async.bench.trl`), as is every trl-grpo run, so what TRL allocates, its vLLM engine,
+its OpenMP thread binding and its torch.distributed group never touch the benchmark's other
+systems.
 
 Trained tokens = sum over samples of (P + R_i), as in our runs. TRL's come from its own log
 (`num_tokens`, cumulative); the reward wrapper recounts every batch from the prompt and
@@ -141,16 +142,15 @@ def _tied_aliases(model) -> dict[str, str]:
 def run_trl(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Path) -> dict:
     """One TRL GRPOTrainer run of `cfg.trainer.iterations` optimizer steps on CPU. Returns
     tokens_per_s (from TRL's logged `num_tokens` over steps 2..N), devices (its threads),
-    micro_batch, mean_iteration_s and token_check: (TRL's count, our recount) per step. With
-    trl['vllm'] the run happens in a fresh process (see the module docstring)."""
-    if trl.get("vllm"):
-        return _run_trl_in_process(cfg, trl, model_dir, out_dir)
-    return _run_trl(cfg, trl, model_dir, out_dir)
+    micro_batch, mean_iteration_s and token_check: (TRL's count, our recount) per step. Every
+    run happens in a fresh process: what TRL allocates (and vLLM's engine, thread binding and
+    process group) is given back when it ends, before the benchmark's next system starts."""
+    return _run_trl_in_process(cfg, trl, model_dir, out_dir)
 
 
 def _run_trl_in_process(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Path) -> dict:
     """`_run_trl` in a child process (`python -m periodic_async.bench.trl`); its result, or a
-    RuntimeError with the end of its output."""
+    RuntimeError with the end of its output. The vLLM variables only matter with trl['vllm']."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trl_run_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
@@ -166,7 +166,7 @@ def _run_trl_in_process(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Pat
     (out_dir / "trl_run.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not result.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(f"trl-grpo-vllm run failed (exit {proc.returncode}; log {out_dir / 'trl_run.log'}):\n{tail}")
+        raise RuntimeError(f"TRL run failed (exit {proc.returncode}; log {out_dir / 'trl_run.log'}):\n{tail}")
     return json.loads(result.read_text())
 
 
