@@ -64,14 +64,16 @@ def test_reward_curves_quick(tmp_path, tokenizer_dir):
 
 @pytest.mark.slow
 def test_table2_quick(tmp_path, tokenizer_dir):
-    """TRL and our three modes (shared prompt off and on) in both settings; TRL's own token
-    counts equal ours on every batch."""
+    """TRL (with and without vLLM) and our three modes (shared prompt off and on) in the two
+    tiny-model settings; TRL's own token counts equal ours on every batch."""
     pytest.importorskip("trl")
-    _run("table2_throughput", "--quick", "--repeats", "1", "--results", str(tmp_path), "--runs",
-         str(tmp_path / "runs"), "--figures", str(tmp_path), "model.name_or_path=qwen2-1m",
+    _run("table2_throughput", "--quick", "--repeats", "1", "--settings", "long-prompt,short-prompt",
+         "--results", str(tmp_path), "--runs", str(tmp_path / "runs"), "--figures", str(tmp_path),
+         "model.name_or_path=qwen2-1m",
          f"model.tokenizer={tokenizer_dir}")
     rows = _rows(tmp_path / "table2_throughput.csv")
     assert {(r["setting"], r["system"], r["shared_prompt"]) for r in rows} >= {
-        ("long-prompt", "trl-grpo", "False"), ("long-prompt", "periodic-async", "True"),
+        ("long-prompt", "trl-grpo", "False"), ("long-prompt", "trl-grpo-vllm", "False"),
+        ("long-prompt", "periodic-async", "True"),
         ("short-prompt", "sync-colocated", "False"), ("short-prompt", "periodic-async", "True")}
     assert all(r["equal"] == "True" for r in _rows(tmp_path / "table2_token_check.csv"))
