@@ -113,12 +113,22 @@ def trl_plan(plan: dict, name: str, setting: str) -> dict:
     return {k: v[setting] if isinstance(v, dict) and setting in v else v for k, v in trl.items()}
 
 
-def trl_system(plan, setting, extra, runs: Path, model_dir_of, name: str = "trl-grpo") -> System:
+def trl_system(plan, setting, extra, runs: Path, model_dir_of, name: str = "trl-grpo",
+               engines: SharedEngines | None = None) -> System:
+    """TRL in a fresh process. Our systems' shared engines are closed first: TRL gets the
+    machine's memory to itself (a 135M model's TRL process holds ~11 GB), and the next system
+    of ours starts its engine again (engine start-up is outside every measurement)."""
     cfg = run_config(plan, setting, extra)
     out = runs / setting / name
     trl = trl_plan(plan, name, setting)
     settings = trl_settings(cfg, trl, load_policy_tokenizer(cfg))
-    return System(name, lambda: run_trl(cfg, trl, model_dir_of(cfg), out), settings)
+
+    def run_it():
+        if engines is not None:
+            engines.close()
+        return run_trl(cfg, trl, model_dir_of(cfg), out)
+
+    return System(name, run_it, settings)
 
 
 def load_policy_tokenizer(cfg: RunConfig):
@@ -187,7 +197,7 @@ def main(argv=None) -> list[dict]:
     batch_rows = []
     try:
         for setting in plan["settings"]:
-            systems = [trl_system(plan, setting, extra, runs, model_dir_of, name) for name in TRL_SYSTEMS]
+            systems = [trl_system(plan, setting, extra, runs, model_dir_of, name, engines) for name in TRL_SYSTEMS]
             systems += [pipeline_system(plan, setting, m, shared, extra, runs, engines)
                         for m in MODES for shared in (False, True)]
             if setting in plan.get("systems_of_setting", {}):  # a setting that runs only some systems
