@@ -31,7 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict, write_csv
