@@ -3,7 +3,7 @@
 # three modes, with and without shared prompts (see table2_throughput.py and .yaml).
 #   bash experiments/table2_throughput.sh          ~15 min on 2 cores
 #   QUICK=1 bash experiments/table2_throughput.sh  ~2 min smoke run; RESULTS_DIR (default results)
-#   bash experiments/table2_throughput.sh --settings real-model   one setting (SmolLM2-135M-Instruct, ~30 min)
+#   bash experiments/table2_throughput.sh --settings real-model   one setting (SmolLM2-135M-Instruct, ~40 min)
 # Installs TRL (the optional extra `.[bench]`) into .venv when it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -145,10 +145,10 @@ def run_trl(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Path) -> dict:
     micro_batch, mean_iteration_s and token_check: (TRL's count, our recount) per step. Every
     run happens in a fresh process: what TRL allocates (and vLLM's engine, thread binding and
     process group) is given back when it ends, before the benchmark's next system starts."""
-    return _run_trl_in_process(cfg, trl, model_dir, out_dir)
+    return _run_trl_in_subprocess(cfg, trl, model_dir, out_dir)
 
 
-def _run_trl_in_process(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Path) -> dict:
+def _run_trl_in_subprocess(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Path) -> dict:
     """`_run_trl` in a child process (`python -m periodic_async.bench.trl`); its result, or a
     RuntimeError with the end of its output. The vLLM variables only matter with trl['vllm']."""
     out_dir = Path(out_dir)
@@ -234,7 +234,7 @@ def _run_trl(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Path) -> dict:
 
 
 def _main(spec_path: str) -> None:
-    """The trl-grpo-vllm child: run the spec `_run_trl_in_process` wrote, write its result."""
+    """The trl-grpo-vllm child: run the spec `_run_trl_in_subprocess` wrote, write its result."""
     spec = yaml.safe_load(Path(spec_path).read_text())
     out_dir = Path(spec["out_dir"])
     cfg = load_config(RunConfig, out_dir / "trl_run_config.yaml")
