@@ -13,10 +13,11 @@ python -m periodic_async sft --config experiments/sft.yaml sft.output_dir="$out"
 mkdir -p "$results"
 python - "$out/sft_summary.json" "$results/sft.csv" <<'PY'
 import csv, json, sys
+from periodic_async.config import git_commit
 summary = json.load(open(sys.argv[1]))
 keys = ["model", "parameters", "steps", "examples_seen", "train_seconds", "eval_n", "accuracy_before", "accuracy_after"]
 with open(sys.argv[2], "w", newline="") as f:
-    w = csv.writer(f); w.writerow(keys); w.writerow([summary[k] for k in keys])
+    w = csv.writer(f); w.writerow(keys + ["git_commit"]); w.writerow([summary[k] for k in keys] + [git_commit()])
 print(f"wrote {sys.argv[2]}")
 PY
 python -c "import sys; from periodic_async.trace import log_experiment; log_experiment('warm_start', sys.argv[1:])" \

@@ -87,9 +87,10 @@ def run_sft(cfg: SFTRunConfig) -> dict:
             order += rng.sample(range(len(train)), len(train))
         batch = [train[i] for i in order[: cfg.sft.batch_size]]
         del order[: cfg.sft.batch_size]
-        # Warm-up then cosine decay over whichever budget (steps or time) runs out first.
-        progress = max(step / cfg.sft.max_steps, (time.time() - t0) / budget_s)
-        lr = cfg.sft.lr * min(1.0, (step + 1) / cfg.sft.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(progress, 1)))
+        # Warm-up then cosine decay over the step budget: the time cap only stops a run early, so a
+        # loaded machine trains the same steps at the same learning rates.
+        progress = step / cfg.sft.max_steps
+        lr = cfg.sft.lr * min(1.0, (step + 1) / cfg.sft.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress))
         for g in opt.param_groups:
             g["lr"] = lr
         loss = sft_loss(model, batch, tokenizer.pad_token_id)
