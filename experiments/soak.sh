@@ -4,10 +4,10 @@
 # SIGKILLed at iteration 130 and restarted (engine.restart_workers). Samples trainer and worker RSS,
 # open file descriptors and queue depth into $RESULTS_DIR/soak.csv; RSS growth per 100 iterations
 # in $RESULTS_DIR/soak_summary.csv. A few minutes on 2 CPU cores.
-#   bash experiments/soak.sh          QUICK=1: 40 iterations (stop 10, kill 25); RESULTS_DIR (default results)
+#   bash experiments/soak.sh          QUICK=1: 20 iterations (stop 8, kill 14); RESULTS_DIR (default results)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export WANDB_RUN_GROUP=soak
-quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--iterations 40 --stop-at 10 --kill-at 25)
+quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--iterations 20 --stop-at 8 --kill-at 14 --every 2 --warmup 2)
 python experiments/soak.py "${quick[@]}" --results "${RESULTS_DIR:-results}" "$@"
