@@ -82,8 +82,7 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
     "table2_throughput": ("table2_throughput.csv", "experiments/table2_throughput.sh",
                           "Table 2: end-to-end trained tokens/s (median of interleaved rounds, min-max), speedups "
                           "over the faster TRL GRPOTrainer configuration of the setting (`trl_baseline`: trl-grpo "
-                          "generates with transformers, trl-grpo-vllm with vLLM; the tiny-model settings predate "
-                          "trl-grpo-vllm) and over sync-colocated with the same packing (paper: 3-5x over "
+                          "generates with transformers, trl-grpo-vllm with vLLM) and over sync-colocated with the same packing (paper: 3-5x over "
                           "verl / MindSpeed-RL on Ascend NPUs, up to 3x on GPU). Settings and config hash per row "
                           "in the CSV.",
                           ["setting", "system", "shared_prompt", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
