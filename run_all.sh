@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU-scale reproduction, end to end: warm start, then one experiment per paper claim,
 # then the tables (docs/results.md, the README's claims) from the results they wrote.
-#   bash run_all.sh            full run (the experiments add up to about two hours on a 2-core CPU;
+#   bash run_all.sh            full run (the experiments add up to about four hours on a 2-core CPU;
 #                              each one's time: docs/reproduce.md)
 #   QUICK=1 bash run_all.sh    smoke run of the same path; implies FORCE=1 (measured: 1061 s on 2 cores
 #                              at 61ac3db, .venv installed)
