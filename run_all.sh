@@ -3,8 +3,8 @@
 # then the tables (docs/results.md, the README's claims) from the results they wrote.
 #   bash run_all.sh            full run (the experiments add up to about four hours on a 2-core CPU;
 #                              each one's time: docs/reproduce.md)
-#   QUICK=1 bash run_all.sh    smoke run of the same path; implies FORCE=1 (measured: 1061 s on 2 cores
-#                              at 61ac3db, .venv installed)
+#   QUICK=1 bash run_all.sh    smoke run of the same path; implies FORCE=1 (measured: 643 s on 2 cores
+#                              at 596120e, .venv installed)
 #   FORCE=1 bash run_all.sh    rerun experiments whose results are already there
 # An experiment is skipped when its main CSV exists in RESULTS_DIR (default results), which
 # redirects every CSV (and the figures, to $RESULTS_DIR/figures).
