@@ -468,7 +468,8 @@ class SFTConfig:
     max_steps: int = 2000
     """Optimizer steps of supervised warm start (stops earlier at max_minutes)."""
     max_minutes: float = 4.0
-    """Wall-clock budget of the warm start."""
+    """Wall-clock cap of the warm start: it stops the run early and never reshapes the
+    learning-rate schedule, which follows `max_steps`."""
     batch_size: int = 32
     """Examples per optimizer step."""
     lr: float = 2e-3
