@@ -22,7 +22,8 @@ Writes
       independent samples: conservative), gain_stderr_paired (per-problem differences on the same
       held-out problems), the two parts of
       max_abs_diff_vs_sync (reward, eval accuracy), tokens_identical_iterations (vs sync),
-      wall_s and cpu_s (this process: trainer + producer; Ray engine workers not counted)
+      wall_s and cpu_s (this process: trainer + producer; Ray engine workers not counted), and
+      git_commit (the run's, from its run_info.json)
   <figures>/reward_curves.png
 
 In exact arithmetic sync-separated and periodic-async are the same run; in fp32 they share
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import resource
 import sys
@@ -121,6 +123,7 @@ def main(argv=None) -> None:
             "max_abs_diff_reward": "", "max_abs_diff_eval": "", "tokens_identical_iterations": "",
             "wall_s": round(time.time() - t0, 1),
             "cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1),
+            "git_commit": json.loads((outs[mode] / "run_info.json").read_text())["git_commit"],
         })
         print(f"[reward_curves] {mode}: held-out {first['eval_accuracy']} -> {last['eval_accuracy']} "
               f"(n={last['eval_n']}), {summary[-1]['wall_s']} s")

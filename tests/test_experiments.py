@@ -59,6 +59,7 @@ def test_reward_curves_quick(tmp_path, tokenizer_dir):
     assert list(rows[0])[:7] == ["mode", "eval_accuracy_start", "eval_accuracy_end", "eval_stderr", "eval_n",
                                  "max_abs_diff_vs_sync", "tokens_per_s"]
     assert all(r["gain_stderr_paired"] != "" for r in rows)
+    assert all(r["git_commit"] not in ("", "unknown") for r in rows)  # provenance of every row
     assert (tmp_path / "reward_curves.png").stat().st_size > 10_000
 
 
