@@ -50,7 +50,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--runs", default="runs/async_speedup")
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("--config", default=str(HERE / "async_speedup.yaml"),
-                    help="the workload (e.g. experiments/async_balanced.yaml)")
+                    help="the workload")
     ap.add_argument("--tag", default="", help="suffix of the outputs: async_speedup_<tag>.csv, ...")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)

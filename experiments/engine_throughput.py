@@ -270,8 +270,7 @@ def main() -> None:
 
     init_ray(EngineConfig(backend="ray"))
     rows, pushes = [], []
-    # QUICK: one worker (two workers run the same code on more Ray actors)
-    runs = [(tiny, hf_directory(tiny, tok_dir, Path(args.runs)), w, tiny_workload) for w in ((1,) if args.quick else (1, 2))]
+    runs = [(tiny, hf_directory(tiny, tok_dir, Path(args.runs)), w, tiny_workload) for w in (1, 2)]
     if not args.no_real_model:
         if not (Path(REAL_MODEL) / "config.json").is_file():
             raise SystemExit(f"{REAL_MODEL} is missing: python -m periodic_async prepare-model smollm2-135m")
@@ -286,7 +285,7 @@ def main() -> None:
             print(f"vllm push {pushes[-1]}", flush=True)
     write_csv(out_dir / "engine.csv", rows)
     write_csv(out_dir / "vllm_push.csv", pushes)
-    sync_rows = weight_sync(["qwen2-1m"] if args.quick else ["qwen2-1m", "qwen2-5m", "qwen3-25m"], tok_dir, workers=2)
+    sync_rows = weight_sync(["qwen2-1m", "qwen2-5m", "qwen3-25m"], tok_dir, workers=2)
     write_csv(out_dir / "weight_sync.csv", [{**r, "git_commit": git_commit()} for r in sync_rows])
     import ray
 
