@@ -11,7 +11,7 @@ length, 'long-tail' draws it from a lognormal (median half, a few up to 6x). Eng
     vllm      vLLM in Ray workers (engine.worker_backend=vllm), continuous batching of its own
     hf        static batches of max_num_seqs sequences (max_num_seqs / G prompts x G) through
               `model.generate`, each batch as long as its longest request; W workers are W
-              processes, each on the requests our dispatcher gives that worker
+              processes (started once per model), each on the requests our dispatcher gives it
 
 Each worker has 1 thread. Two models: a tiny preset (random weights, vocabulary 512) with 1 and
 2 workers, and the real model SmolLM2-135M-Instruct (`python -m periodic_async prepare-model
@@ -34,6 +34,7 @@ import argparse
 import copy
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import time
 from pathlib import Path
@@ -68,8 +69,9 @@ def make_requests(tokenizer, n_prompts: int, group: int, dist: str, uniform_toke
             for i, (ex, m) in enumerate(zip(examples, lengths))]
 
 
-def hf_worker(model_cfg, requests, max_num_seqs, barrier, results):
-    """One baseline process: static batches through `model.generate`, 1 thread."""
+def hf_worker(model_cfg, max_num_seqs, inbox, barrier, results):
+    """One baseline process: loads the model once, then for each request list it is sent runs
+    static batches through `model.generate` on 1 thread and reports the span it took."""
     torch.set_num_threads(1)
     from periodic_async.model import load_policy
 
@@ -77,8 +79,6 @@ def hf_worker(model_cfg, requests, max_num_seqs, barrier, results):
     gen_cfg = copy.deepcopy(model.generation_config)
     gen_cfg.eos_token_id = None  # ignore eos: every batch runs to its max_new_tokens
     gen_cfg.do_sample, gen_cfg.temperature, gen_cfg.top_p, gen_cfg.top_k = True, 1.0, 1.0, 0
-    per_batch = max(1, max_num_seqs // requests[0].n)
-    batches = [requests[i:i + per_batch] for i in range(0, len(requests), per_batch)]
 
     def run(batches, cap=None):
         for b in batches:
@@ -89,27 +89,60 @@ def hf_worker(model_cfg, requests, max_num_seqs, barrier, results):
             with torch.inference_mode():
                 model.generate(**enc, generation_config=cfg)
 
-    run(batches[:1], cap=4)  # warm-up
-    barrier.wait()
-    start = time.time()
-    run(batches)
-    results.put((start, time.time()))
+    results.put("ready")
+    while (requests := inbox.get()) is not None:
+        per_batch = max(1, max_num_seqs // requests[0].n)
+        batches = [requests[i:i + per_batch] for i in range(0, len(requests), per_batch)]
+        run(batches[:1], cap=4)  # warm-up
+        barrier.wait()
+        start = time.time()
+        run(batches)
+        results.put((start, time.time()))
 
 
-def hf_throughput(model_cfg, requests, workers, max_num_seqs) -> float:
-    parts = [[] for _ in range(workers)]
-    for w, r in zip(assign_workers(requests, workers), requests):
-        parts[w].append(r)
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(workers), ctx.Queue()
-    procs = [ctx.Process(target=hf_worker, args=(model_cfg, p, max_num_seqs, barrier, results)) for p in parts]
-    for p in procs:
-        p.start()
-    spans = [results.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join()
-    tokens = sum(r.n * r.params.max_tokens for r in requests)
-    return tokens / (max(e for _, e in spans) - min(s for s, _ in spans))
+class HFWorkers:
+    """The static-batching baseline: `workers` processes (1 thread each) that load the model once
+    and generate each request list they are given, the requests split as our dispatcher splits them."""
+
+    def __init__(self, model_cfg, workers: int, max_num_seqs: int):
+        ctx = mp.get_context("spawn")
+        self.workers, self.inboxes, self.results = workers, [ctx.Queue() for _ in range(workers)], ctx.Queue()
+        barrier = ctx.Barrier(workers)
+        self.procs = [ctx.Process(target=hf_worker, args=(model_cfg, max_num_seqs, q, barrier, self.results),
+                                  daemon=True) for q in self.inboxes]
+        for p in self.procs:
+            p.start()
+        self._collect()  # every worker has loaded the model
+
+    def _collect(self) -> list:
+        got = []
+        while len(got) < self.workers:
+            try:
+                got.append(self.results.get(timeout=5))
+            except queue.Empty:
+                if dead := [i for i, p in enumerate(self.procs) if not p.is_alive()]:
+                    raise RuntimeError(f"hf baseline worker(s) {dead} died (exit codes "
+                                       f"{[self.procs[i].exitcode for i in dead]})") from None
+        return got
+
+    def throughput(self, requests) -> float:
+        parts = [[] for _ in range(self.workers)]
+        for w, r in zip(assign_workers(requests, self.workers), requests):
+            parts[w].append(r)
+        for q, part in zip(self.inboxes, parts):
+            q.put(part)
+        spans = self._collect()
+        tokens = sum(r.n * r.params.max_tokens for r in requests)
+        return tokens / (max(e for _, e in spans) - min(s for s, _ in spans))
+
+    def close(self) -> None:
+        for q, p in zip(self.inboxes, self.procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
 
 
 def engine_throughput(engine, requests) -> float:
@@ -212,18 +245,19 @@ def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib) 
                             threads_per_worker=1, max_num_seqs=max_num_seqs, vllm_kv_cache_gib=kv_gib)
             for e in ("builtin", "vllm")}
     engines = {e: RayEngine(c, model_cfg) for e, c in cfgs.items()}
+    hf = HFWorkers(model_cfg, workers, max_num_seqs)
     try:
         systems = []
         for d, reqs in requests.items():
             common = {"model": label, "distribution": d, "workers": workers, "max_num_seqs": max_num_seqs, **workload}
-            systems += [System(f"hf/{d}", lambda reqs=reqs: {"tok_s": hf_throughput(model_cfg, reqs, workers,
-                                                                                     max_num_seqs)},
+            systems += [System(f"hf/{d}", lambda reqs=reqs: {"tok_s": hf.throughput(reqs)},
                                {**common, "system": "hf-static-generate", "processes": workers, "threads": 1})]
             systems += [System(f"{e}/{d}", lambda reqs=reqs, e=e: {"tok_s": engine_throughput(engines[e], reqs)},
                                {**common, "system": e, "engine": vars(cfgs[e])}) for e in ("builtin", "vllm")]
         res = measure(systems, repeats=repeats)
         push = vllm_push(engines["vllm"], model_cfg) if workers == 1 else None
     finally:
+        hf.close()
         for e in engines.values():
             e.close()
     rows = []
@@ -259,7 +293,7 @@ def main() -> None:
     tiny = "qwen2-1m" if args.quick else "qwen2-5m"
     tiny_workload = dict(n_prompts=32, group=4, uniform_tokens=64) if args.quick else \
         dict(n_prompts=64, group=4, uniform_tokens=96)
-    real_workload = dict(n_prompts=4, group=4, uniform_tokens=16) if args.quick else \
+    real_workload = dict(n_prompts=2, group=4, uniform_tokens=16) if args.quick else \
         dict(n_prompts=8, group=4, uniform_tokens=64)
     tok_dir = str(Path(args.tokenizer).resolve())
     ensure_tokenizer(tok_dir)
@@ -270,7 +304,8 @@ def main() -> None:
 
     init_ray(EngineConfig(backend="ray"))
     rows, pushes = [], []
-    runs = [(tiny, hf_directory(tiny, tok_dir, Path(args.runs)), w, tiny_workload) for w in (1, 2)]
+    # QUICK: the tiny preset on 2 workers only (the 1-worker path, the vLLM push included, is the real model's)
+    runs = [(tiny, hf_directory(tiny, tok_dir, Path(args.runs)), w, tiny_workload) for w in ((2,) if args.quick else (1, 2))]
     if not args.no_real_model:
         if not (Path(REAL_MODEL) / "config.json").is_file():
             raise SystemExit(f"{REAL_MODEL} is missing: python -m periodic_async prepare-model smollm2-135m")
@@ -285,7 +320,7 @@ def main() -> None:
             print(f"vllm push {pushes[-1]}", flush=True)
     write_csv(out_dir / "engine.csv", rows)
     write_csv(out_dir / "vllm_push.csv", pushes)
-    sync_rows = weight_sync(["qwen2-1m", "qwen2-5m", "qwen3-25m"], tok_dir, workers=2)
+    sync_rows = weight_sync(["qwen2-1m"] if args.quick else ["qwen2-1m", "qwen2-5m", "qwen3-25m"], tok_dir, workers=2)
     write_csv(out_dir / "weight_sync.csv", [{**r, "git_commit": git_commit()} for r in sync_rows])
     import ray
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Engine throughput (our continuous batching, vLLM, static HF generate) and weight-push time.
 #   bash experiments/engine_throughput.sh            # full: qwen2-5m and SmolLM2-135M, 3 interleaved rounds
-#   QUICK=1 bash experiments/engine_throughput.sh    # qwen2-1m and a small SmolLM2 workload, 1 round
+#   QUICK=1 bash experiments/engine_throughput.sh    # qwen2-1m on 2 workers and a small SmolLM2 workload, 1 round
 # Writes $RESULTS_DIR/engine.csv, vllm_push.csv and weight_sync.csv (RESULTS_DIR defaults to results).
 set -euo pipefail
 cd "$(dirname "$0")/.."

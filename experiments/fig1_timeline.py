@@ -27,6 +27,7 @@ from pathlib import Path
 
 from periodic_async.bench.analysis import iteration_phases, trained_orders
 from periodic_async.bench.plots import plot_fig1
+from periodic_async.bench.protocol import SharedEngines
 from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -54,16 +55,20 @@ def main(argv=None) -> list[dict]:
     out = Path(args.results)
     (out / "fig1").mkdir(parents=True, exist_ok=True)
     rows = []
-    for mode in MODES:
-        cfg = load_config(RunConfig, HERE / "fig1_timeline.yaml",
-                          extra + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{mode}"])
-        run(cfg)
-        for name in ("trace.jsonl", "rollouts.jsonl"):  # keep them: the notebook redraws from results/
-            shutil.copy(Path(cfg.trainer.output_dir) / name, out / "fig1" / f"{mode}.{name}")
-        orders = trained_orders(read_jsonl(out / "fig1" / f"{mode}.rollouts.jsonl"))
-        for r in iteration_phases(read_jsonl(out / "fig1" / f"{mode}.trace.jsonl")):
-            rows.append({"mode": mode, **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()},
-                         "trained_order": orders[r["iteration"]]})
+    engines = SharedEngines()  # one start for both modes; each run pushes its own initial weights
+    try:
+        for mode in MODES:
+            cfg = load_config(RunConfig, HERE / "fig1_timeline.yaml",
+                              extra + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{mode}"])
+            run(cfg, engine=engines.get(cfg))
+            for name in ("trace.jsonl", "rollouts.jsonl"):  # keep them: the notebook redraws from results/
+                shutil.copy(Path(cfg.trainer.output_dir) / name, out / "fig1" / f"{mode}.{name}")
+            orders = trained_orders(read_jsonl(out / "fig1" / f"{mode}.rollouts.jsonl"))
+            for r in iteration_phases(read_jsonl(out / "fig1" / f"{mode}.trace.jsonl")):
+                rows.append({"mode": mode, **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()},
+                             "trained_order": orders[r["iteration"]]})
+    finally:
+        engines.close()
     with (out / "fig1_timeline.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()

@@ -22,7 +22,9 @@ Writes
       independent samples: conservative), gain_stderr_paired (per-problem differences on the same
       held-out problems), the two parts of
       max_abs_diff_vs_sync (reward, eval accuracy), tokens_identical_iterations (vs sync),
-      wall_s and cpu_s (this process: trainer + producer; Ray engine workers not counted), and
+      wall_s and cpu_s (the run, without the engines' start-up: they start once and serve the
+      three modes, each run pushing its own initial weights; cpu_s is this process, trainer +
+      producer, Ray engine workers not counted), and
       git_commit (the run's, from its run_info.json)
   <figures>/reward_curves.png
 
@@ -45,6 +47,7 @@ from pathlib import Path
 
 from periodic_async.bench.analysis import identical_iterations, max_abs_diff, paired_gain_stderr
 from periodic_async.bench.plots import plot_reward_curves
+from periodic_async.bench.protocol import SharedEngines
 from periodic_async.config import RunConfig, load_config
 from periodic_async.model import PRESETS
 from periodic_async.pipeline import run
@@ -101,32 +104,39 @@ def main(argv=None) -> None:
         raise SystemExit(f"{base.model.name_or_path} does not exist: run `bash experiments/{name}.sh`, "
                          "which builds it")
     rows, summary, outs = {}, [], {}
-    for mode in MODES:
-        cfg = load_config(RunConfig, config,
-                          extra + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{mode}"])
-        cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
-        s = run(cfg)
-        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-        outs[mode] = Path(cfg.trainer.output_dir)
-        rows[mode] = curve_rows(mode, outs[mode])
-        ev = [r for r in rows[mode] if r["eval_accuracy"] != ""]
-        first, last = ev[0], ev[-1]
-        summary.append({
-            "mode": mode, "eval_accuracy_start": first["eval_accuracy"], "eval_accuracy_end": last["eval_accuracy"],
-            "eval_stderr": last["eval_stderr"], "eval_n": last["eval_n"], "max_abs_diff_vs_sync": "",
-            "tokens_per_s": round(s["tokens_per_s"], 1),
-            "gain": round(last["eval_accuracy"] - first["eval_accuracy"], 4),
-            # the two ends as independent samples: conservative (they are the same problems)
-            "gain_stderr": round((first["eval_stderr"] ** 2 + last["eval_stderr"] ** 2) ** 0.5, 4),
-            "gain_stderr_paired": _r(paired_gain_stderr(outs[mode], first["iteration"], last["iteration"])),
-            "eval_stderr_start": first["eval_stderr"], "eval_points": len(ev),
-            "max_abs_diff_reward": "", "max_abs_diff_eval": "", "tokens_identical_iterations": "",
-            "wall_s": round(time.time() - t0, 1),
-            "cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1),
-            "git_commit": json.loads((outs[mode] / "run_info.json").read_text())["git_commit"],
-        })
-        print(f"[reward_curves] {mode}: held-out {first['eval_accuracy']} -> {last['eval_accuracy']} "
-              f"(n={last['eval_n']}), {summary[-1]['wall_s']} s")
+    engines = SharedEngines()  # started once; each mode's run pushes its own initial weights
+    try:
+        for mode in MODES:
+            cfg = load_config(RunConfig, config,
+                              extra + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{mode}"])
+            engine = engines.get(cfg)
+            cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
+            s = run(cfg, engine=engine)
+            cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+            wall = time.time() - t0
+            outs[mode] = Path(cfg.trainer.output_dir)
+            rows[mode] = curve_rows(mode, outs[mode])
+            ev = [r for r in rows[mode] if r["eval_accuracy"] != ""]
+            first, last = ev[0], ev[-1]
+            summary.append({
+                "mode": mode, "eval_accuracy_start": first["eval_accuracy"],
+                "eval_accuracy_end": last["eval_accuracy"],
+                "eval_stderr": last["eval_stderr"], "eval_n": last["eval_n"], "max_abs_diff_vs_sync": "",
+                "tokens_per_s": round(s["tokens_per_s"], 1),
+                "gain": round(last["eval_accuracy"] - first["eval_accuracy"], 4),
+                # the two ends as independent samples: conservative (they are the same problems)
+                "gain_stderr": round((first["eval_stderr"] ** 2 + last["eval_stderr"] ** 2) ** 0.5, 4),
+                "gain_stderr_paired": _r(paired_gain_stderr(outs[mode], first["iteration"], last["iteration"])),
+                "eval_stderr_start": first["eval_stderr"], "eval_points": len(ev),
+                "max_abs_diff_reward": "", "max_abs_diff_eval": "", "tokens_identical_iterations": "",
+                "wall_s": round(wall, 1),
+                "cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1),
+                "git_commit": json.loads((outs[mode] / "run_info.json").read_text())["git_commit"],
+            })
+            print(f"[reward_curves] {mode}: held-out {first['eval_accuracy']} -> {last['eval_accuracy']} "
+                  f"(n={last['eval_n']}), {summary[-1]['wall_s']} s")
+    finally:
+        engines.close()
     sync = "sync-separated"
     for s in summary:
         if sync in rows:
