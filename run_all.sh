@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The CPU-scale reproduction, end to end: warm start, then one experiment per paper claim,
 # then the tables (docs/results.md, the README's claims) from the results they wrote.
-#   bash run_all.sh            full run (the experiments add up to about four hours on a 2-core CPU;
-#                              each one's time: docs/reproduce.md)
-#   QUICK=1 bash run_all.sh    smoke run of the same path; implies FORCE=1 (measured: 643 s on 2 cores
-#                              at 596120e, .venv installed)
+#   bash run_all.sh            full run, one experiment at a time (the experiments add up to about four
+#                              hours on a 2-core CPU; each one's time: docs/reproduce.md)
+#   QUICK=1 bash run_all.sh    smoke run of the same code paths at small sizes; implies FORCE=1; two
+#                              experiments at a time (LANES=1 for one), each one's output in
+#                              $RESULTS_DIR/logs/<experiment>.log
 #   FORCE=1 bash run_all.sh    rerun experiments whose results are already there
 # An experiment is skipped when its main CSV exists in RESULTS_DIR (default results), which
-# redirects every CSV (and the figures, to $RESULTS_DIR/figures).
+# redirects every CSV (and the figures, to $RESULTS_DIR/figures). Each finished experiment's
+# wall time is appended to $RESULTS_DIR/run_all_times.csv (a resumed run adds to it).
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
@@ -28,25 +30,70 @@ declare -A MAIN_CSV=(
   [equivalence]=equivalence.csv [scaling]=scaling_measured.csv [soak]=soak_summary.csv
   [reward_curves_real]=reward_curves_real_summary.csv
 )
+EXPERIMENTS=(warm_start table2_throughput engine_throughput shared_prompt_ablation trimodel_cost async_speedup
+             shared_async reward_curves fig1_timeline equivalence scaling soak reward_curves_real)
+# With two lanes, the experiments that load SmolLM2-135M run in the first, one after another:
+# its first one writes the model to artifacts/ (prepare-model), and two of them side by side
+# would need most of a 24 GiB machine. The second lane takes the rest (in QUICK, table2 runs
+# no SmolLM2 setting).
+SMOLLM_LANE=(engine_throughput reward_curves_real shared_async fig1_timeline trimodel_cost shared_prompt_ablation)
+# Two lanes only for a smoke run: the full run measures times, and two experiments side by side
+# would share the cores.
+LANES="${LANES:-$([ "${QUICK:-0}" != 0 ] && echo 2 || echo 1)}"
+
 experiment() {  # run experiments/$1.sh unless its main CSV is there (and the warm start's model)
-  local exp=$1 csv="$RESULTS_DIR/${MAIN_CSV[$1]}" t0=$SECONDS
-  if [ ! -f "experiments/$exp.sh" ]; then echo "missing experiments/$exp.sh"; return 0; fi
+  local exp=$1 csv="$RESULTS_DIR/${MAIN_CSV[$1]}" t0=$SECONDS log="" rc=0
   local have=0; [ -f "$csv" ] && have=1
   if [ "$exp" = warm_start ] && [ ! -f artifacts/sft-qwen2-1m/config.json ]; then have=0; fi
   if [ "$FORCE" = 0 ] && [ "$have" = 1 ]; then echo "skip $exp: $csv exists (FORCE=1 to rerun)"; return 0; fi
   step "experiment: $exp"
-  bash "experiments/$exp.sh"
-  echo "--- $exp: $((SECONDS - t0)) s"
+  if [ "$LANES" -gt 1 ]; then
+    log="$RESULTS_DIR/logs/$exp.log"
+    bash "experiments/$exp.sh" > "$log" 2>&1 || rc=$?
+  else
+    bash "experiments/$exp.sh" || rc=$?
+  fi
+  if [ "$rc" != 0 ]; then
+    echo "!!! $exp failed (exit $rc)${log:+; the end of $log:}"
+    if [ -n "$log" ]; then tail -n 40 "$log"; fi
+    return 1
+  fi
+  echo "--- $exp: $((SECONDS - t0)) s${log:+ (output: $log)}"
+  # every finished experiment's wall time, so that a run resumed later (finished experiments are
+  # skipped) still adds up to the whole
+  echo "$exp,$((SECONDS - t0)),${QUICK:-0},$commit,$(date -u +%Y-%m-%dT%H:%M:%SZ)" >> "$times"
 }
+lane() {  # the given experiments one after another, up to the first that fails
+  local exp
+  for exp in "$@"; do experiment "$exp" || return 1; done
+}
+
+mkdir -p "$RESULTS_DIR/logs"
+times="$RESULTS_DIR/run_all_times.csv"
+if [ "$FORCE" != 0 ]; then rm -f "$times"; fi   # a forced (or smoke) run times every experiment afresh
+[ -f "$times" ] || echo "experiment,seconds,quick,git_commit,finished" > "$times"
+commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then commit="$commit-dirty"; fi
+for exp in "${EXPERIMENTS[@]}"; do
+  [ -f "experiments/$exp.sh" ] || { echo "run_all.sh: experiments/$exp.sh is missing"; exit 1; }
+done
 
 step "tokenizer"
 python -m periodic_async tokenizer artifacts/tokenizer
-for exp in warm_start table2_throughput engine_throughput shared_prompt_ablation trimodel_cost async_speedup \
-           shared_async reward_curves fig1_timeline equivalence scaling soak reward_curves_real; do
-  experiment "$exp"
-done
+if [ "$LANES" = 1 ]; then
+  lane "${EXPERIMENTS[@]}" || { echo "run_all.sh: an experiment failed (above)"; exit 1; }
+else
+  other=(); for exp in "${EXPERIMENTS[@]}"; do [[ " ${SMOLLM_LANE[*]} " == *" $exp "* ]] || other+=("$exp"); done
+  lane "${SMOLLM_LANE[@]}" & first=$!
+  lane "${other[@]}" & second=$!
+  failed=0; wait "$first" || failed=1; wait "$second" || failed=1
+  if [ "$failed" != 0 ]; then echo "run_all.sh: an experiment failed (above)"; exit 1; fi
+fi
 if [ "$RESULTS_DIR" = results ]; then
   step "tables from results/ (docs/results.md, README.md)"
   python scripts/update_readme.py
 fi
 echo "done in $((SECONDS - t_all)) s: results in $RESULTS_DIR/, figures in $FIGURES_DIR/"
+if [ -f "$times" ]; then
+  awk -F, 'NR > 1 { s += $2; n++ } END { printf "experiments timed in %s: %d, %d s in all\n", FILENAME, n, s }' "$times"
+fi

@@ -255,7 +255,7 @@ def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib) 
             systems += [System(f"{e}/{d}", lambda reqs=reqs, e=e: {"tok_s": engine_throughput(engines[e], reqs)},
                                {**common, "system": e, "engine": vars(cfgs[e])}) for e in ("builtin", "vllm")]
         res = measure(systems, repeats=repeats)
-        push = vllm_push(engines["vllm"], model_cfg) if workers == 1 else None
+        push = vllm_push(engines["vllm"], model_cfg, repeats=repeats) if workers == 1 else None
     finally:
         hf.close()
         for e in engines.values():

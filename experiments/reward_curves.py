@@ -2,7 +2,7 @@
 sync-separated, periodic-async (the paper's, on-policy) and async-offpolicy (one-step-stale,
 what the paper argues against).
 
-    bash experiments/reward_curves.sh                      (QUICK=1: smoke run, ~2 minutes)
+    bash experiments/reward_curves.sh                      (QUICK=1: smoke run, under a minute)
     python experiments/reward_curves.py [--quick] [--results results] [section.key=value ...]
 
 Base policy: experiments/rl_base.yaml (reward_curves.sh builds artifacts/sft-rl-base when
@@ -55,7 +55,7 @@ from periodic_async.trace import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async", "async-offpolicy"]
-QUICK = ["trainer.iterations=4", "trainer.eval_every=2", "data.num_eval=50", "algorithm.prompts_per_iteration=16",
+QUICK = ["trainer.iterations=2", "trainer.eval_every=1", "data.num_eval=20", "algorithm.prompts_per_iteration=8",
          "algorithm.warmup_steps=1"]
 STATS = {"entropy": "train/entropy", "grad_norm": "train/grad_norm", "kl": "train/kl", "clip_frac": "train/clip_frac",
          "ratio_mean": "train/ratio_mean", "ratio_abs_dev": "train/ratio_abs_dev",
@@ -87,7 +87,7 @@ def curve_rows(mode: str, out: Path) -> list[dict]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smoke run: 4 iterations, 50 held-out problems")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 iterations, 20 held-out problems")
     ap.add_argument("--results", default=os.environ.get("RESULTS_DIR", "results"))
     ap.add_argument("--runs", default="runs/reward_curves")
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))

@@ -10,8 +10,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export WANDB_RUN_GROUP=table2_throughput   # the W&B group of this experiment's runs
-python -c "import trl" 2>/dev/null || python -m pip install -q -e ".[bench]"
-python -m periodic_async prepare-model smollm2-135m   # the real-model setting's model (once; idempotent)
+python -c "import importlib.util as u, sys; sys.exit(u.find_spec('trl') is None)" || python -m pip install -q -e ".[bench]"
+if [ "${QUICK:-0}" = 0 ] || [[ " $* " == *real-model* ]]; then   # the real-model setting's model (once)
+  python -m periodic_async prepare-model smollm2-135m
+fi
 quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick --settings long-prompt)
 if [ ! -f artifacts/sft-qwen2-1m/config.json ] && [ "${QUICK:-0}" = 0 ]; then
   echo "[table2] no warm start in artifacts/sft-qwen2-1m: run 'bash experiments/warm_start.sh' first for the committed numbers"

@@ -145,8 +145,13 @@ def test_run_all_runs_every_experiment_and_quick_reaches_each():
     `QUICK=1 bash run_all.sh` runs every experiment's code path at its smoke size)."""
     root = PACKAGE.parents[1]
     text = (root / "run_all.sh").read_text()
-    loop = text[text.index("for exp in"):text.index("; do", text.index("for exp in"))]
-    listed = set(loop.replace("\\", " ").split()[3:])
+
+    def array(name: str) -> list[str]:
+        start = text.index(f"\n{name}=(") + len(name) + 3
+        return text[start:text.index(")", start)].split()
+
+    listed, smollm_lane = set(array("EXPERIMENTS")), set(array("SMOLLM_LANE"))
+    assert smollm_lane <= listed, f"SMOLLM_LANE names experiments run_all.sh does not run: {smollm_lane - listed}"
     scripts = {p.stem for p in (root / "experiments").glob("*.sh")}
     assert scripts - listed == set(), f"experiments run_all.sh does not run: {sorted(scripts - listed)}"
     assert listed - scripts == set(), f"run_all.sh names missing scripts: {sorted(listed - scripts)}"
