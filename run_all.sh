@@ -5,7 +5,8 @@
 #                              hours on a 2-core CPU; each one's time: docs/reproduce.md)
 #   QUICK=1 bash run_all.sh    smoke run of the same code paths at small sizes; implies FORCE=1; two
 #                              experiments at a time (LANES=1 for one), each one's output in
-#                              $RESULTS_DIR/logs/<experiment>.log
+#                              $RESULTS_DIR/logs/<experiment>.log (measured: 312 s on 2 cores at
+#                              50d61a9, .venv and artifacts/ built)
 #   FORCE=1 bash run_all.sh    rerun experiments whose results are already there
 # An experiment is skipped when its main CSV exists in RESULTS_DIR (default results), which
 # redirects every CSV (and the figures, to $RESULTS_DIR/figures). Each finished experiment's
