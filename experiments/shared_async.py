@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     if not Path(base.model.name_or_path).is_dir():
         extra.append("model.name_or_path=qwen2-1m")
     if args.quick:
-        extra += ["trainer.iterations=2", "algorithm.prompts_per_iteration=4", "algorithm.group_size=4"]
+        extra += ["trainer.iterations=2", "algorithm.prompts_per_iteration=8"]  # G = 8: packing pays visibly
     extra += args.overrides
     init_ray(base.engine)
     engines = SharedEngines()
