@@ -41,6 +41,7 @@ SMOLLM_LANE=(engine_throughput reward_curves_real shared_async fig1_timeline tri
 # Two lanes only for a smoke run: the full run measures times, and two experiments side by side
 # would share the cores.
 LANES="${LANES:-$([ "${QUICK:-0}" != 0 ] && echo 2 || echo 1)}"
+case "$LANES" in 1|2) ;; *) echo "run_all.sh: LANES=$LANES: expected 1 or 2"; exit 1;; esac
 
 experiment() {  # run experiments/$1.sh unless its main CSV is there (and the warm start's model)
   local exp=$1 csv="$RESULTS_DIR/${MAIN_CSV[$1]}" t0=$SECONDS log="" rc=0
@@ -48,7 +49,7 @@ experiment() {  # run experiments/$1.sh unless its main CSV is there (and the wa
   if [ "$exp" = warm_start ] && [ ! -f artifacts/sft-qwen2-1m/config.json ]; then have=0; fi
   if [ "$FORCE" = 0 ] && [ "$have" = 1 ]; then echo "skip $exp: $csv exists (FORCE=1 to rerun)"; return 0; fi
   step "experiment: $exp"
-  if [ "$LANES" -gt 1 ]; then
+  if [ "$LANES" = 2 ]; then
     log="$RESULTS_DIR/logs/$exp.log"
     bash "experiments/$exp.sh" > "$log" 2>&1 || rc=$?
   else
@@ -73,8 +74,7 @@ mkdir -p "$RESULTS_DIR/logs"
 times="$RESULTS_DIR/run_all_times.csv"
 if [ "$FORCE" != 0 ]; then rm -f "$times"; fi   # a forced (or smoke) run times every experiment afresh
 [ -f "$times" ] || echo "experiment,seconds,quick,git_commit,finished" > "$times"
-commit=$(git rev-parse HEAD 2>/dev/null || echo unknown)
-if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then commit="$commit-dirty"; fi
+commit=$(python -c "from periodic_async.config import git_commit; print(git_commit())")  # what every CSV records
 for exp in "${EXPERIMENTS[@]}"; do
   [ -f "experiments/$exp.sh" ] || { echo "run_all.sh: experiments/$exp.sh is missing"; exit 1; }
 done

@@ -245,8 +245,9 @@ def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib) 
                             threads_per_worker=1, max_num_seqs=max_num_seqs, vllm_kv_cache_gib=kv_gib)
             for e in ("builtin", "vllm")}
     engines = {e: RayEngine(c, model_cfg) for e, c in cfgs.items()}
-    hf = HFWorkers(model_cfg, workers, max_num_seqs)
+    hf = None
     try:
+        hf = HFWorkers(model_cfg, workers, max_num_seqs)
         systems = []
         for d, reqs in requests.items():
             common = {"model": label, "distribution": d, "workers": workers, "max_num_seqs": max_num_seqs, **workload}
@@ -257,7 +258,8 @@ def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib) 
         res = measure(systems, repeats=repeats)
         push = vllm_push(engines["vllm"], model_cfg, repeats=repeats) if workers == 1 else None
     finally:
-        hf.close()
+        if hf is not None:
+            hf.close()
         for e in engines.values():
             e.close()
     rows = []
