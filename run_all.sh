@@ -7,10 +7,11 @@
 #                              experiments at a time (LANES=1 for one), each one's output in
 #                              $RESULTS_DIR/logs/<experiment>.log (measured: 312 s on 2 cores at
 #                              50d61a9, .venv and artifacts/ built)
-#   FORCE=1 bash run_all.sh    rerun experiments whose results are already there
-# An experiment is skipped when its main CSV exists in RESULTS_DIR (default results), which
-# redirects every CSV (and the figures, to $RESULTS_DIR/figures). Each finished experiment's
-# wall time is appended to $RESULTS_DIR/run_all_times.csv (a resumed run adds to it).
+#   FORCE=1 bash run_all.sh    start afresh, though a stopped run could be resumed
+# RESULTS_DIR (default results) redirects every CSV, and the figures to $RESULTS_DIR/figures.
+# Each finished experiment's wall time goes to $RESULTS_DIR/logs/run_all_progress.csv; a run
+# that stopped part-way resumes with the same command (the experiments it finished are skipped),
+# and once every experiment has finished the file is copied to $RESULTS_DIR/run_all_times.csv.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
@@ -43,11 +44,11 @@ SMOLLM_LANE=(engine_throughput reward_curves_real shared_async fig1_timeline tri
 LANES="${LANES:-$([ "${QUICK:-0}" != 0 ] && echo 2 || echo 1)}"
 case "$LANES" in 1|2) ;; *) echo "run_all.sh: LANES=$LANES: expected 1 or 2"; exit 1;; esac
 
-experiment() {  # run experiments/$1.sh unless its main CSV is there (and the warm start's model)
+experiment() {  # run experiments/$1.sh unless this run (resumed) finished it and its main CSV is there
   local exp=$1 csv="$RESULTS_DIR/${MAIN_CSV[$1]}" t0=$SECONDS log="" rc=0
-  local have=0; [ -f "$csv" ] && have=1
+  local have=0; [ -f "$csv" ] && grep -q "^$exp," "$progress" && have=1  # a CSV alone may be a stopped run's part
   if [ "$exp" = warm_start ] && [ ! -f artifacts/sft-qwen2-1m/config.json ]; then have=0; fi
-  if [ "$FORCE" = 0 ] && [ "$have" = 1 ]; then echo "skip $exp: $csv exists (FORCE=1 to rerun)"; return 0; fi
+  if [ "$have" = 1 ]; then echo "skip $exp: finished earlier in this run ($progress)"; return 0; fi
   step "experiment: $exp"
   if [ "$LANES" = 2 ]; then
     log="$RESULTS_DIR/logs/$exp.log"
@@ -63,7 +64,7 @@ experiment() {  # run experiments/$1.sh unless its main CSV is there (and the wa
   echo "--- $exp: $((SECONDS - t0)) s${log:+ (output: $log)}"
   # every finished experiment's wall time, so that a run resumed later (finished experiments are
   # skipped) still adds up to the whole
-  echo "$exp,$((SECONDS - t0)),${QUICK:-0},$commit,$(date -u +%Y-%m-%dT%H:%M:%SZ)" >> "$times"
+  echo "$exp,$((SECONDS - t0)),${QUICK:-0},$commit,$(date -u +%Y-%m-%dT%H:%M:%SZ)" >> "$progress"
 }
 lane() {  # the given experiments one after another, up to the first that fails
   local exp
@@ -71,9 +72,10 @@ lane() {  # the given experiments one after another, up to the first that fails
 }
 
 mkdir -p "$RESULTS_DIR/logs"
-times="$RESULTS_DIR/run_all_times.csv"
-if [ "$FORCE" != 0 ]; then rm -f "$times"; fi   # a forced (or smoke) run times every experiment afresh
-[ -f "$times" ] || echo "experiment,seconds,quick,git_commit,finished" > "$times"
+progress="$RESULTS_DIR/logs/run_all_progress.csv" times="$RESULTS_DIR/run_all_times.csv"
+if [ "$FORCE" != 0 ]; then rm -f "$progress"; fi   # a forced (or smoke) run times every experiment afresh
+if [ -f "$progress" ]; then echo "resuming the run in $progress (FORCE=1 starts afresh)"
+else echo "experiment,seconds,quick,git_commit,finished" > "$progress"; fi
 commit=$(python -c "from periodic_async.config import git_commit; print(git_commit())")  # what every CSV records
 for exp in "${EXPERIMENTS[@]}"; do
   [ -f "experiments/$exp.sh" ] || { echo "run_all.sh: experiments/$exp.sh is missing"; exit 1; }
@@ -94,7 +96,6 @@ if [ "$RESULTS_DIR" = results ]; then
   step "tables from results/ (docs/results.md, README.md)"
   python scripts/update_readme.py
 fi
+cp "$progress" "$times"
 echo "done in $((SECONDS - t_all)) s: results in $RESULTS_DIR/, figures in $FIGURES_DIR/"
-if [ -f "$times" ]; then
-  awk -F, 'NR > 1 { s += $2; n++ } END { printf "experiments timed in %s: %d, %d s in all\n", FILENAME, n, s }' "$times"
-fi
+awk -F, 'NR > 1 { s += $2; n++ } END { printf "experiments timed in %s: %d, %d s in all\n", FILENAME, n, s }' "$times"

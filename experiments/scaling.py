@@ -36,7 +36,7 @@ from pathlib import Path
 
 from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict, write_csv
 from periodic_async.scale.calibrate import MeasuredRun, fit_costs, load_run, simulate_measured
-from periodic_async.config import RunConfig, load_config
+from periodic_async.config import RunConfig, git_commit, load_config
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.pipeline import run
 from periodic_async.scale.plan import DEFAULT_COSTS, plan
@@ -199,7 +199,7 @@ def main(argv=None) -> None:
     sim_rows, _ = simulate_measured_points(measured, measured_rows)
     totals = [16, 32, 48, 64] if args.quick else list(range(16, 65, 8))
     sim_rows += predictions(args.device_types.split(","), totals)
-    write_csv(out / "scaling_simulated.csv", sim_rows)
+    write_csv(out / "scaling_simulated.csv", [{**r, "git_commit": git_commit()} for r in sim_rows])
     plot_scaling(out / "scaling_measured.csv", out / "scaling_simulated.csv", Path(args.figures) / "scaling.png")
     for r in measured_rows:
         print({k: r[k] for k in ("system", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "iteration_s",

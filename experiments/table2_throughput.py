@@ -38,7 +38,7 @@ import yaml
 from periodic_async.bench.plots import plot_table2
 from periodic_async.bench.protocol import SharedEngines, System, flatten, measure, write_csv
 from periodic_async.bench.trl import export_model, run_trl, trl_settings
-from periodic_async.config import RunConfig, load_config
+from periodic_async.config import RunConfig, git_commit, load_config
 from periodic_async.data import few_shot_examples, iteration_prompts, load_examples, prompt_messages
 from periodic_async.data.prompts import encode_chat
 from periodic_async.data.tokenizer import ensure_tokenizer
@@ -194,7 +194,7 @@ def main(argv=None) -> list[dict]:
     # With --settings, the other settings' rows of an earlier run are kept (one CSV, all settings).
     rows = [r for r in read_csv(out / "table2_throughput.csv") if r["setting"] not in plan["settings"]]
     checks = [r for r in read_csv(out / "table2_token_check.csv") if r["setting"] not in plan["settings"]]
-    batch_rows = []
+    batch_rows, commit = [], git_commit()
     try:
         for setting in plan["settings"]:
             systems = [trl_system(plan, setting, extra, runs, model_dir_of, name, engines) for name in TRL_SYSTEMS]
@@ -213,7 +213,7 @@ def main(argv=None) -> list[dict]:
             for name in TRL_SYSTEMS:
                 for round_, r in enumerate(res[name].runs, 1):
                     checks += [{"setting": setting, "system": name, "round": round_, "step": i + 1,
-                                "trl_num_tokens": a, "ours": b, "equal": a == b}
+                                "trl_num_tokens": a, "ours": b, "equal": a == b, "git_commit": commit}
                                for i, (a, b) in enumerate(r["token_check"])]
             for name, r in res.items():
                 mode, _, packing = name.partition("/")

@@ -62,6 +62,7 @@ import datetime
 import os
 import pickle
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -75,6 +76,8 @@ BUCKET_BYTES = 32 << 20
 """Gradients are all-reduced in flat buffers of at most this many bytes (one per dtype run)."""
 METRIC_SUMS = ("loss", "kl", "clip", "ratio", "ratio_dev", "entropy", "behaviour_gap")
 """The `LossAccumulator` sums every rank reduces, in this order (a rank without groups has none)."""
+DRAIN_S = 0.1
+"""Ranks.close: how long the collectives' worker threads get the GIL to release their tensors."""
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
@@ -288,6 +291,12 @@ class Ranks:
     def close(self) -> None:
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+            # A gloo worker thread may still hold the last reference to a tensor of the last
+            # collective, and releasing it takes the GIL. Should the interpreter start finalizing
+            # before that thread gets the GIL, the thread is stopped inside a destructor and the
+            # process aborts ("terminate called without an active exception") after a run that
+            # succeeded. Sleeping hands the GIL over while the interpreter is whole.
+            time.sleep(DRAIN_S)
 
 
 def init_ranks(cfg) -> Ranks:
