@@ -38,7 +38,7 @@ EXPERIMENTS=(warm_start table2_throughput engine_throughput shared_prompt_ablati
 # its first one writes the model to artifacts/ (prepare-model), and two of them side by side
 # would need most of a 24 GiB machine. The second lane takes the rest (in QUICK, table2 runs
 # no SmolLM2 setting).
-SMOLLM_LANE=(engine_throughput reward_curves_real shared_async fig1_timeline trimodel_cost shared_prompt_ablation)
+SMOLLM_LANE=(engine_throughput reward_curves_real shared_async fig1_timeline shared_prompt_ablation)
 # Two lanes only for a smoke run: the full run measures times, and two experiments side by side
 # would share the cores.
 LANES="${LANES:-$([ "${QUICK:-0}" != 0 ] && echo 2 || echo 1)}"

@@ -9,5 +9,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export WANDB_RUN_GROUP=soak
-quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--iterations 12 --stop-at 4 --kill-at 8 --every 1 --warmup 1)
+quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--iterations 9 --stop-at 3 --kill-at 6 --every 1 --warmup 1)
 python experiments/soak.py "${quick[@]}" --results "${RESULTS_DIR:-results}" "$@"

@@ -8,7 +8,7 @@ export WANDB_RUN_GROUP=warm_start
 results="${RESULTS_DIR:-results}"
 out=artifacts/sft-qwen2-1m
 args=()
-if [ "${QUICK:-0}" != 0 ]; then out=artifacts/sft-quick; args+=(sft.max_steps=30 data.num_eval=50); fi
+if [ "${QUICK:-0}" != 0 ]; then out=artifacts/sft-quick; args+=(sft.max_steps=10 data.num_eval=20); fi
 python -m periodic_async sft --config experiments/sft.yaml sft.output_dir="$out" "${args[@]}" "$@"
 mkdir -p "$results"
 python - "$out/sft_summary.json" "$results/sft.csv" <<'PY'
