@@ -1,8 +1,9 @@
 """Render results/*.csv into the docs between <!-- results:NAME --> markers (never by hand):
 the claims table (paper value, ours, command) into README.md, every result table into
-docs/results.md. Captions cite the paper's numbers.
+docs/results.md, the times of `run_all.sh` into docs/reproduce.md. Captions cite the paper's numbers.
 
     python scripts/update_readme.py [--results results] [--readme README.md] [--tables docs/results.md]
+        [--reproduce docs/reproduce.md]
 """
 
 import argparse
@@ -309,6 +310,46 @@ def claims_table(results: Path) -> str:
             f"`{results}/*.csv`; every table: [docs/results.md](docs/results.md)).\n\n" + "\n".join(lines))
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def _span(rows: list[dict]) -> float:
+    """Wall seconds from the first experiment's start to the last one's end (lanes overlap)."""
+    from datetime import datetime
+
+    end = [datetime.fromisoformat(r["finished"].replace("Z", "+00:00")).timestamp() for r in rows]
+    return max(end) - min(e - float(r["seconds"]) for e, r in zip(end, rows))
+
+
+def times_table(results: Path, experiments: list[str]) -> str:
+    """Each experiment's wall time in the full run (run_all_times.csv: one at a time, so the run is
+    their sum, over however many sittings it was resumed in) and in the smoke run
+    (run_all_times_quick.csv: two at a time, so the run is the span from first start to last end)."""
+    full = {r["experiment"]: r for r in _rows(results, "run_all_times.csv") or []}
+    quick = {r["experiment"]: r for r in _rows(results, "run_all_times_quick.csv") or []}
+    lines = ["| experiment | `bash run_all.sh` | `QUICK=1 bash run_all.sh` |", "|---|---|---|"]
+    for exp in experiments:
+        cells = [_minutes(float(t[exp]["seconds"])) if exp in t else "not timed" for t in (full, quick)]
+        lines.append(f"| `{exp}` | {cells[0]} | {cells[1]} |")
+    total_full = (f"{sum(float(r['seconds']) for r in full.values()) / 3600:.1f} h (the sum)"
+                  if set(experiments) <= set(full) else "not timed end to end")
+    total_quick = (f"{_span(list(quick.values())):.0f} s (two at a time)" if set(experiments) <= set(quick)
+                   else "not timed end to end")
+    lines.append(f"| **the whole run** | {total_full} | {total_quick} |")
+    commits = {t: sorted({r["git_commit"][:7] for r in rows.values()}) for t, rows in (("full", full), ("quick", quick))}
+    return (f"Measured on 2 CPU cores (`{results}/run_all_times.csv`, commit {', '.join(commits['full']) or '-'}; "
+            f"`{results}/run_all_times_quick.csv`, commit {', '.join(commits['quick']) or '-'}):\n\n" + "\n".join(lines))
+
+
+def _experiments(run_all: Path) -> list[str]:
+    """The EXPERIMENTS array of run_all.sh, in its order."""
+    match = re.search(r"^EXPERIMENTS=\((.*?)\)", run_all.read_text(), flags=re.S | re.M)
+    if match is None:
+        raise SystemExit(f"{run_all}: no EXPERIMENTS=(...) array")
+    return match.group(1).split()
+
+
 def render(path: Path, blocks: dict[str, str]) -> None:
     """Replace each <!-- results:NAME --> ... <!-- /results:NAME --> block of `path` by its body;
     a marker the file lacks is an error (a table that would silently go nowhere)."""
@@ -327,6 +368,7 @@ def main() -> None:
     ap.add_argument("--results", default="results")
     ap.add_argument("--readme", default="README.md", help="gets the claims table")
     ap.add_argument("--tables", default="docs/results.md", help="gets every result table")
+    ap.add_argument("--reproduce", default="docs/reproduce.md", help="gets the run's times")
     args = ap.parse_args()
     tables = {}
     for name, (file, script, caption, *columns) in SOURCES.items():
@@ -335,6 +377,7 @@ def main() -> None:
                         if path.is_file() else f"_`{path}` not produced yet: run `bash {script}`._")
     render(Path(args.tables), tables)
     render(Path(args.readme), {"claims": claims_table(Path(args.results))})
+    render(Path(args.reproduce), {"run_all_times": times_table(Path(args.results), _experiments(Path("run_all.sh")))})
 
 
 if __name__ == "__main__":
