@@ -15,6 +15,9 @@ Rules it enforces:
 - **Median, min, max** of every numeric metric over the measured rounds (`Stats`), and
   paired ratios between two systems (round r of A over round r of B: the interleaving
   makes them the fairest comparison of a noisy machine).
+- **Memory between runs**: after each run the process collects its garbage and hands freed
+  heap back to the OS (`release_memory`), so that what one in-process run held is not resident
+  while the next system (a TRL subprocess, say) needs the machine's memory.
 - **Traceable rows**: each row carries the git commit, a 12-character hash of the system's
   resolved settings (sha256 of their sorted YAML dump) and the settings that differ between
   the compared systems (`settings` column, `key=value` separated by spaces).
@@ -23,7 +26,9 @@ Rules it enforces:
 from __future__ import annotations
 
 import csv
+import ctypes
 import dataclasses
+import gc
 import hashlib
 import statistics
 import time
@@ -170,13 +175,34 @@ def measure(systems: Sequence[System], repeats: int = 3, warmup_rounds: int = 0,
         t = time.perf_counter()
         metrics = by_name[name].run()
         took = time.perf_counter() - t
+        held, kept = release_memory()
         if log:
             tag = f"warm-up {r + warmup_rounds + 1}/{warmup_rounds}" if r < 0 else f"round {r + 1}/{repeats}"
             shown = {k: round(v, 3) for k, v in metrics.items() if isinstance(v, (int, float))}
-            log(f"[bench] {tag} {name} ({took:.1f}s): {shown}")
+            log(f"[bench] {tag} {name} ({took:.1f}s; resident {held:.0f} -> {kept:.0f} MiB): {shown}")
         if r >= 0:
             results[name].runs.append(metrics)
     return results
+
+
+def _resident_mib() -> float:
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def release_memory() -> tuple[float, float]:
+    """Collect garbage and return freed heap to the OS (glibc `malloc_trim`; elsewhere just the
+    collection). glibc keeps large freed blocks in its heap, so a process that ran one model's
+    training stays gigabytes large after the model is gone. Returns resident MiB before and after."""
+    before = _resident_mib()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return before, _resident_mib()
 
 
 def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> Path:
