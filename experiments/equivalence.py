@@ -121,10 +121,10 @@ def main(argv=None) -> list[dict]:
     rows = [r for r in csv.DictReader(old.open())] if old.is_file() else []
     rows = [{**r, "max_abs_weight_diff": float(r["max_abs_weight_diff"]),
              "max_abs_weight_change": float(r["max_abs_weight_change"])} for r in rows if r["case"] not in cases]
+    commit = git_commit()
     for case in cases:
         overrides, backend = CASES[case]
-        rows += [{**r, "git_commit": git_commit()} for r in run_case(case, extra + overrides + quick, backend,
-                                                                         Path(args.runs))]
+        rows += [{**r, "git_commit": commit} for r in run_case(case, extra + overrides + quick, backend, Path(args.runs))]
     rows.sort(key=lambda r: (list(CASES).index(r["case"]), int(r["iteration"])))
     with (out / "equivalence.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)

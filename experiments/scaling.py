@@ -199,7 +199,8 @@ def main(argv=None) -> None:
     sim_rows, _ = simulate_measured_points(measured, measured_rows)
     totals = [16, 32, 48, 64] if args.quick else list(range(16, 65, 8))
     sim_rows += predictions(args.device_types.split(","), totals)
-    write_csv(out / "scaling_simulated.csv", [{**r, "git_commit": git_commit()} for r in sim_rows])
+    commit = git_commit()
+    write_csv(out / "scaling_simulated.csv", [{**r, "git_commit": commit} for r in sim_rows])
     plot_scaling(out / "scaling_measured.csv", out / "scaling_simulated.csv", Path(args.figures) / "scaling.png")
     for r in measured_rows:
         print({k: r[k] for k in ("system", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "iteration_s",

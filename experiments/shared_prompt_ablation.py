@@ -169,9 +169,9 @@ def main(argv=None) -> None:
     model = build_model(ModelConfig(name_or_path=args.preset, tokenizer=args.tokenizer, dtype="float32",
                                     device=str(device)), tok)
     print(f"{args.preset} fp32 on {device}, {args.threads} thread(s), {repeats} rounds, back-ends {backends}")
-    rows = []
+    rows, commit = [], git_commit()
     for P, G, R in grid:
-        rows += [{**r, "git_commit": git_commit()} for r in measure_point(model, P, G, R, backends, repeats, device)]
+        rows += [{**r, "git_commit": commit} for r in measure_point(model, P, G, R, backends, repeats, device)]
     out = Path(args.results_dir) / "shared_prompt.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:

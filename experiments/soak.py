@@ -208,7 +208,7 @@ def report(args, csv_path: Path, summary_path: Path, wall: float) -> None:
     if len(restarts) != 1 or restarts[0]["old_pid"] != leg2["killed_pid"]:
         raise SystemExit(f"soak: expected one restart of the killed worker, got {restarts}")
     r = restarts[0]
-    summary = summarize(csv_path, args.warmup)
+    summary, commit = summarize(csv_path, args.warmup), git_commit()
     with summary_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SUMMARY + ["iterations", "wall_s", "restarted", "requests_resent",
                                                          "git_commit"])
@@ -217,7 +217,7 @@ def report(args, csv_path: Path, summary_path: Path, wall: float) -> None:
             new = row["pid"] == r["new_pid"]
             writer.writerow({**row, "iterations": args.iterations, "wall_s": round(wall),
                              "restarted": "yes" if new else ("killed" if row["pid"] == r["old_pid"] else ""),
-                             "requests_resent": len(r["resent"]) if new else "", "git_commit": git_commit()})
+                             "requests_resent": len(r["resent"]) if new else "", "git_commit": commit})
     print(f"[soak] {args.iterations} iterations in {wall:.0f} s; resumed at {args.stop_at}; worker {r['worker']} "
           f"(pid {r['old_pid']}) SIGKILLed, restarted as pid {r['new_pid']} at version {r['version']}, "
           f"{len(r['resent'])} requests re-sent")
