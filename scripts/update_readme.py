@@ -1,9 +1,10 @@
 """Render results/*.csv into the docs between <!-- results:NAME --> markers (never by hand):
 the claims table (paper value, ours, command) into README.md, every result table into
-docs/results.md, the times of `run_all.sh` into docs/reproduce.md. Captions cite the paper's numbers.
+docs/results.md, the times of `run_all.sh` into docs/reproduce.md, vLLM's measured speed over the
+built-in engine into README.md and docs/gpu.md. Captions cite the paper's numbers.
 
     python scripts/update_readme.py [--results results] [--readme README.md] [--tables docs/results.md]
-        [--reproduce docs/reproduce.md]
+        [--reproduce docs/reproduce.md] [--gpu docs/gpu.md]
 """
 
 import argparse
@@ -342,6 +343,20 @@ def times_table(results: Path, experiments: list[str]) -> str:
             f"`{results}/run_all_times_quick.csv`, commit {', '.join(commits['quick']) or '-'}):\n\n" + "\n".join(lines))
 
 
+def vllm_speed(results: Path) -> str:
+    """vLLM's generation speed over the built-in engine, per model: the range of the medians over the
+    rows of engine.csv (workers x length distribution), quoted in README.md and docs/gpu.md."""
+    rows = _rows(results, "engine.csv")
+    if not rows:
+        return "not measured yet: `bash experiments/engine_throughput.sh`"
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        ratios.setdefault(r["model"], []).append(float(r["vllm_vs_builtin"]))
+    spans = {m: sorted({f"{min(v):.1f}", f"{max(v):.1f}"}, key=float) for m, v in ratios.items()}
+    return ", ".join(f"{'-'.join(span)}x the built-in engine on {m}" for m, span in spans.items()) + \
+        f" (`{results}/engine.csv`)"
+
+
 def _experiments(run_all: Path) -> list[str]:
     """The EXPERIMENTS array of run_all.sh, in its order."""
     match = re.search(r"^EXPERIMENTS=\((.*?)\)", run_all.read_text(), flags=re.S | re.M)
@@ -369,6 +384,7 @@ def main() -> None:
     ap.add_argument("--readme", default="README.md", help="gets the claims table")
     ap.add_argument("--tables", default="docs/results.md", help="gets every result table")
     ap.add_argument("--reproduce", default="docs/reproduce.md", help="gets the run's times")
+    ap.add_argument("--gpu", default="docs/gpu.md", help="gets vLLM's measured speed")
     args = ap.parse_args()
     tables = {}
     for name, (file, script, caption, *columns) in SOURCES.items():
@@ -376,7 +392,9 @@ def main() -> None:
         tables[name] = (f"{caption} `{path}`, written by `bash {script}`:\n\n{table(path, *columns)}"
                         if path.is_file() else f"_`{path}` not produced yet: run `bash {script}`._")
     render(Path(args.tables), tables)
-    render(Path(args.readme), {"claims": claims_table(Path(args.results))})
+    speed = vllm_speed(Path(args.results))
+    render(Path(args.readme), {"claims": claims_table(Path(args.results)), "vllm_speed": speed})
+    render(Path(args.gpu), {"vllm_speed": speed})
     render(Path(args.reproduce), {"run_all_times": times_table(Path(args.results), _experiments(Path("run_all.sh")))})
 
 

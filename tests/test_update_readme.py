@@ -1,6 +1,7 @@
 """scripts/update_readme.py renders the run's times into docs/reproduce.md from the CSVs that
 run_all.sh writes: the full run as the sum of its experiments (one at a time, however many
-sittings), the smoke run as the span of its two lanes."""
+sittings), the smoke run as the span of its two lanes; and vLLM's speed over the built-in engine
+from engine.csv into README.md and docs/gpu.md."""
 
 import csv
 import re
@@ -25,6 +26,19 @@ def _write(path: Path, rows: list[tuple[str, int, datetime]], quick: int) -> Non
             w.writerow([exp, seconds, quick, "abcdef1234", finished.strftime("%Y-%m-%dT%H:%M:%SZ")])
 
 
+def _render(tmp_path: Path, results: Path) -> dict[str, Path]:
+    """update_readme.py on copies of the rendered documents (the repository's stay untouched)."""
+    docs = {name: tmp_path / Path(name).name for name in ("README.md", "docs/results.md", "docs/reproduce.md",
+                                                           "docs/gpu.md")}
+    for name, copy in docs.items():
+        shutil.copy(ROOT / name, copy)
+    subprocess.run([sys.executable, "scripts/update_readme.py", "--results", str(results),
+                    "--readme", str(docs["README.md"]), "--tables", str(docs["docs/results.md"]),
+                    "--reproduce", str(docs["docs/reproduce.md"]), "--gpu", str(docs["docs/gpu.md"])],
+                   cwd=ROOT, check=True)
+    return docs
+
+
 def test_times_table_sums_the_full_run_and_spans_the_smoke_run(tmp_path):
     exps = _experiments()
     t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -43,12 +57,7 @@ def test_times_table_sums_the_full_run_and_spans_the_smoke_run(tmp_path):
     results.mkdir()
     _write(results / "run_all_times.csv", full, 0)
     _write(results / "run_all_times_quick.csv", quick, 1)
-    docs = {name: tmp_path / Path(name).name for name in ("README.md", "docs/results.md", "docs/reproduce.md")}
-    for name, copy in docs.items():
-        shutil.copy(ROOT / name, copy)
-    subprocess.run([sys.executable, "scripts/update_readme.py", "--results", str(results),
-                    "--readme", str(docs["README.md"]), "--tables", str(docs["docs/results.md"]),
-                    "--reproduce", str(docs["docs/reproduce.md"])], cwd=ROOT, check=True)
+    docs = _render(tmp_path, results)
     block = re.search(r"<!-- results:run_all_times -->(.*?)<!-- /results:run_all_times -->",
                       docs["docs/reproduce.md"].read_text(), flags=re.S).group(1)
     rows = {m[0]: m[1:] for m in re.findall(r"^\| `(\w+)` \| (.*?) \| (.*?) \|$", block, flags=re.M)}
@@ -60,8 +69,23 @@ def test_times_table_sums_the_full_run_and_spans_the_smoke_run(tmp_path):
 
     # a run that has not finished every experiment is not given a total
     _write(results / "run_all_times.csv", full[:-1], 0)
-    subprocess.run([sys.executable, "scripts/update_readme.py", "--results", str(results),
-                    "--readme", str(docs["README.md"]), "--tables", str(docs["docs/results.md"]),
-                    "--reproduce", str(docs["docs/reproduce.md"])], cwd=ROOT, check=True)
+    _render(tmp_path, results)
     text = docs["docs/reproduce.md"].read_text()
     assert f"| `{exps[-1]}` | not timed |" in text and "| **the whole run** | not timed end to end |" in text
+
+
+def test_vllm_speed_is_the_range_of_engine_csv_per_model(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    ratios = {"model-a": [1.234, 2.46, 1.9], "model-b": [3.02]}
+    with (results / "engine.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "distribution", "vllm_vs_builtin"])
+        for model, values in ratios.items():
+            w.writerows([model, "uniform", v] for v in values)
+    docs = _render(tmp_path, results)
+    for name in ("README.md", "docs/gpu.md"):
+        block = re.search(r"<!-- results:vllm_speed -->\n(.*?)\n<!-- /results:vllm_speed -->",
+                          docs[name].read_text(), flags=re.S).group(1)
+        assert block == (f"1.2-2.5x the built-in engine on model-a, 3.0x the built-in engine on model-b "
+                         f"(`{results}/engine.csv`)"), (name, block)
