@@ -29,12 +29,13 @@ def _write(path: Path, rows: list[tuple[str, int, datetime]], quick: int) -> Non
 def _render(tmp_path: Path, results: Path) -> dict[str, Path]:
     """update_readme.py on copies of the rendered documents (the repository's stay untouched)."""
     docs = {name: tmp_path / Path(name).name for name in ("README.md", "docs/results.md", "docs/reproduce.md",
-                                                           "docs/gpu.md")}
+                                                           "docs/gpu.md", "docs/scaling.md")}
     for name, copy in docs.items():
         shutil.copy(ROOT / name, copy)
     subprocess.run([sys.executable, "scripts/update_readme.py", "--results", str(results),
                     "--readme", str(docs["README.md"]), "--tables", str(docs["docs/results.md"]),
-                    "--reproduce", str(docs["docs/reproduce.md"]), "--gpu", str(docs["docs/gpu.md"])],
+                    "--reproduce", str(docs["docs/reproduce.md"]), "--gpu", str(docs["docs/gpu.md"]),
+                    "--scaling", str(docs["docs/scaling.md"])],
                    cwd=ROOT, check=True)
     return docs
 
@@ -89,3 +90,63 @@ def test_vllm_speed_is_the_range_of_engine_csv_per_model(tmp_path):
                           docs[name].read_text(), flags=re.S).group(1)
         assert block == (f"1.2-2.5x the built-in engine on model-a, 3.0x the built-in engine on model-b "
                          f"(`{results}/engine.csv`)"), (name, block)
+
+
+def _csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _block(text: str, name: str) -> str:
+    return re.search(rf"<!-- results:{name} -->\n(.*?)\n<!-- /results:{name} -->", text, flags=re.S).group(1)
+
+
+def test_scaling_numbers_follow_the_csvs(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    common = dict(repeats=2, measured_iterations_per_run=3, git_commit="abcdef1234")
+    measured = [("sync-separated/e1", "sync-separated", 3.0, 2.0, "", "", ""),
+                ("sync-separated/e2", "sync-separated", 1.5, 2.0, 1.8, 1.7, 1.9),
+                ("periodic-async/e1", "periodic-async", 3.2, 2.4, "", "", ""),
+                ("periodic-async/e2", "periodic-async", 2.5, 2.9, 1.1, 1.0, 1.2),
+                ("sync-separated/r1", "sync-separated", 3.0, 2.0, "", "", ""),
+                ("sync-separated/r2", "sync-separated", 3.0, 1.25, 1.3, 1.2, 1.4)]
+    _csv(results / "scaling_measured.csv",
+         [dict(system=s, mode=m, generate_s=g, train_s=t, speedup_vs_1=x, speedup_vs_1_min=lo, speedup_vs_1_max=hi,
+               **common) for s, m, g, t, x, lo, hi in measured])
+    tokens = {"periodic-async": [10e3, 20e3, 30e3, 36e3], "sync-separated": [5e3, 10e3, 15e3, 20e3],
+              "sync-colocated": [12e3, 18e3, 24e3, 28e3]}
+    sim = [dict(kind="simulated", section="cpu-measured-point", device_type="cpu", mode="", devices=2,
+                tokens_per_s=1, best="", rel_error=e, rel_error_leave_out=o) for e, o in ((-0.02, 0.03), (0.01, -0.04))]
+    for device_type, table in (("H100-SXM-80GB", tokens),
+                               ("Ascend-910B", {"periodic-async": [1, 5, 5, 5], "sync-separated": [0, 0, 0, 0],
+                                                "sync-colocated": [2, 1, 1, 1]})):
+        for mode, values in table.items():
+            for devices, v in zip((16, 32, 48, 64), values):
+                sim.append(dict(kind="simulated", section="prediction", device_type=device_type, mode=mode,
+                                devices=devices, tokens_per_s=v, best="True", rel_error="", rel_error_leave_out=""))
+                # a worse split of the same size is not the mode's number
+                sim.append({**sim[-1], "tokens_per_s": v / 2, "best": "False"})
+    _csv(results / "scaling_simulated.csv", sim)
+    text = _render(tmp_path, results)["docs/scaling.md"].read_text()
+    m = _block(text, "scaling_measured")
+    assert "2 engine workers against 1 give sync-separated 1.80x tokens/s (1.70-1.90; generate 3.00 s → 1.50 s)" in m
+    assert "periodic-async 1.10x tokens/s (1.00-1.20; generate 3.20 s → 2.50 s)" in m
+    assert "2 trainer ranks against 1 give sync-separated 1.30x tokens/s (1.20-1.40; train 2.00 s → 1.25 s)" in m
+    assert "within -2.0% to +1.0% in-sample and -4.0% to +3.0% leave-one-system-out" in m
+    s = _block(text, "scaling_simulated")
+    assert "periodic-async 10.0k / 20.0k / 30.0k / 36.0k; sync-separated 5.0k" in s
+    assert f"gains {36 / 20:.2f}x ({36 / 20 / 2:.2f} of linear)" in s
+    assert "48 devices beats sync-separated on 64 and sync-colocated on 64 (" in s  # 30k > 20k and > 28k
+    assert "the leader changes with size (16: sync-colocated, 32: periodic-async" in s
+    assert _block(text, "weight_sync_collective").startswith("_not measured yet")
+
+
+def test_the_committed_documents_are_rendered_from_the_committed_results(tmp_path):
+    """Every number between markers follows from results/: rendering again changes nothing
+    (a CSV replaced without `python scripts/update_readme.py` fails here)."""
+    docs = _render(tmp_path, Path("results"))  # relative to the repository (update_readme runs there)
+    for name, copy in docs.items():
+        assert copy.read_text() == (ROOT / name).read_text(), f"{name}: run python scripts/update_readme.py"
