@@ -150,3 +150,39 @@ def test_the_committed_documents_are_rendered_from_the_committed_results(tmp_pat
     docs = _render(tmp_path, Path("results"))  # relative to the repository (update_readme runs there)
     for name, copy in docs.items():
         assert copy.read_text() == (ROOT / name).read_text(), f"{name}: run python scripts/update_readme.py"
+
+
+def test_reward_story_reads_the_curves(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    n = 12
+    summary = [dict(mode=m, eval_accuracy_start=0.5, eval_accuracy_end=end, eval_stderr=0.02, eval_n=400, gain=end - 0.5,
+                    gain_stderr=0.03, gain_stderr_paired=0.025, max_abs_diff_reward=gr, max_abs_diff_eval=ge,
+                    tokens_identical_iterations=same, wall_s=wall)
+               for m, end, gr, ge, same, wall in (("sync-separated", 0.7, 0, 0, f"{n}/{n}", 600),
+                                                  ("periodic-async", 0.7, 0.01, 0.005, f"5/{n}", 450),
+                                                  ("async-offpolicy", 0.6, 0.2, 0.1, f"2/{n}", 400))]
+    _csv(results / "reward_curves_summary.csv", summary)
+    curves = [dict(mode=m, iteration=0, reward_mean="", clip_frac="", ratio_abs_dev="") for m in
+              ("sync-separated", "periodic-async", "async-offpolicy")]
+    for i in range(1, n + 1):
+        r = 0.1 * i  # sync's reward; the off-policy run's leaves it at iteration 4
+        curves += [dict(mode="sync-separated", iteration=i, reward_mean=r, clip_frac=0, ratio_abs_dev=0),
+                   dict(mode="periodic-async", iteration=i, reward_mean=r, clip_frac=0, ratio_abs_dev=0),
+                   dict(mode="async-offpolicy", iteration=i, reward_mean=r if i < 4 else r - 0.05,
+                        clip_frac=0.001 * i, ratio_abs_dev=0.002 * i)]
+    _csv(results / "reward_curves.csv", curves)
+    text = _block(_render(tmp_path, results)["docs/results.md"].read_text(), "reward_story")
+    first, last = sum(0.1 * i for i in range(1, 11)) / 10, sum(0.1 * i for i in range(3, 13)) / 10
+    assert f"averages {first:.2f} over the first 10 iterations and {last:.2f} over the last 10" in text
+    assert "+20.0 points with a paired standard error of 2.5" in text and "in 10 min of wall time" in text
+    assert f"for the first 5 of {n} iterations" in text
+    assert "(the same tokens in 2/12 iterations)" in text and "leaves sync's at iteration 4" in text
+    dev = sum(0.002 * i for i in range(1, n + 1)) / n
+    assert f"importance ratio from 1 is {dev:.3f} (peak {0.002 * n:.3f})" in text
+    assert "one-step staleness cost 10 points in 12 iterations" in text  # 0.1 > 2 × 0.02
+
+    summary[2]["eval_accuracy_end"] = 0.69  # within twice the standard error of sync's
+    _csv(results / "reward_curves_summary.csv", summary)
+    text = _block(_render(tmp_path, results)["docs/results.md"].read_text(), "reward_story")
+    assert "changed the trajectory but not the final accuracy" in text
