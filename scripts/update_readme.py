@@ -1,11 +1,11 @@
 """Render results/*.csv into the docs between <!-- results:NAME --> markers (never by hand):
 the claims table (paper value, ours, command) into README.md, every result table into
 docs/results.md, the times of `run_all.sh` into docs/reproduce.md, vLLM's measured speed over the
-built-in engine into README.md and docs/gpu.md, the scale-out and weight-sync numbers into docs/scaling.md. Captions cite the paper's numbers.
+built-in engine into README.md and docs/gpu.md, the scale-out and weight-sync numbers into docs/scaling.md, the soak run's into docs/usage.md. Captions cite the paper's numbers.
 
     python scripts/update_readme.py [--results results] [--readme README.md] [--tables docs/results.md]
         [--reproduce docs/reproduce.md] [--gpu docs/gpu.md]
-        [--scaling docs/scaling.md]
+        [--scaling docs/scaling.md] [--usage docs/usage.md]
 """
 
 import argparse
@@ -498,6 +498,31 @@ def reward_story(results: Path, tag: str = "", window: int = 10) -> str:
     return text
 
 
+def soak_story(results: Path) -> str:
+    """The soak run's memory and descriptor growth (soak_summary.csv, soak.csv) for docs/usage.md."""
+    summary, samples = _rows(results, "soak_summary.csv"), _rows(results, "soak.csv")
+    if not summary or not samples:
+        return "_not run yet: `bash experiments/soak.sh`_"
+    trainer = [r for r in summary if r["process"] == "trainer"]
+    workers = [r for r in summary if r["process"] != "trainer"]
+    slope = lambda r: float(r["rss_slope_mib_per_100_iterations"])  # noqa: E731
+    legs = " and ".join(f"{slope(r):.1f} MiB (leg {r['leg']}, iterations {r['first_iteration']}-{r['last_iteration']})"
+                        for r in trainer)
+    fds = {}
+    for r in samples:
+        if r["fds"] and not r["event"]:  # the steady samples, not a leg's start or end or the kill
+            fds.setdefault("trainer" if r["process"] == "trainer" else "workers", []).append(int(r["fds"]))
+    restarted = [r for r in workers if r["restarted"] == "yes"]
+    mean = lambda rows: sum(float(r["rss_last_mib"]) for r in rows) / len(rows)  # noqa: E731
+    return (f"Measured (`{results}/soak_summary.csv`, {summary[0]['iterations']} iterations in "
+            f"{_minutes(float(summary[0]['wall_s']))}"
+            + (f"; the restarted worker re-sent {restarted[0]['requests_resent']} requests" if restarted else "")
+            + f"): RSS growth per 100 iterations, least-squares fit: trainer {legs} at ~{mean(trainer):.0f} MiB; "
+            f"workers {min(map(slope, workers)):.1f}-{max(map(slope, workers)):.1f} MiB at ~{mean(workers):.0f} MiB. "
+            "Open descriptors between a leg's start and end: " + ", ".join(f"{k} {min(v)}-{max(v)}" for k, v in fds.items())
+            + f"; the trace on disk grows to {max(float(r['trace_mib'] or 0) for r in samples):.2f} MiB.")
+
+
 def _experiments(run_all: Path) -> list[str]:
     """The EXPERIMENTS array of run_all.sh, in its order."""
     match = re.search(r"^EXPERIMENTS=\((.*?)\)", run_all.read_text(), flags=re.S | re.M)
@@ -527,6 +552,7 @@ def main() -> None:
     ap.add_argument("--reproduce", default="docs/reproduce.md", help="gets the run's times")
     ap.add_argument("--gpu", default="docs/gpu.md", help="gets vLLM's measured speed")
     ap.add_argument("--scaling", default="docs/scaling.md", help="gets the scale-out and weight-sync numbers")
+    ap.add_argument("--usage", default="docs/usage.md", help="gets the soak run's numbers")
     args = ap.parse_args()
     tables = {}
     for name, (file, script, caption, *columns) in SOURCES.items():
@@ -544,6 +570,7 @@ def main() -> None:
     render(Path(args.scaling), {"weight_sync_collective": weight_sync_table(results),
                                 "scaling_measured": scaling_measured(results),
                                 "scaling_simulated": scaling_simulated(results)})
+    render(Path(args.usage), {"soak": soak_story(results)})
     render(Path(args.reproduce), {"run_all_times": times_table(Path(args.results), _experiments(Path("run_all.sh")))})
 
 

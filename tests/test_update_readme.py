@@ -29,13 +29,13 @@ def _write(path: Path, rows: list[tuple[str, int, datetime]], quick: int) -> Non
 def _render(tmp_path: Path, results: Path) -> dict[str, Path]:
     """update_readme.py on copies of the rendered documents (the repository's stay untouched)."""
     docs = {name: tmp_path / Path(name).name for name in ("README.md", "docs/results.md", "docs/reproduce.md",
-                                                           "docs/gpu.md", "docs/scaling.md")}
+                                                           "docs/gpu.md", "docs/scaling.md", "docs/usage.md")}
     for name, copy in docs.items():
         shutil.copy(ROOT / name, copy)
     subprocess.run([sys.executable, "scripts/update_readme.py", "--results", str(results),
                     "--readme", str(docs["README.md"]), "--tables", str(docs["docs/results.md"]),
                     "--reproduce", str(docs["docs/reproduce.md"]), "--gpu", str(docs["docs/gpu.md"]),
-                    "--scaling", str(docs["docs/scaling.md"])],
+                    "--scaling", str(docs["docs/scaling.md"]), "--usage", str(docs["docs/usage.md"])],
                    cwd=ROOT, check=True)
     return docs
 
@@ -186,3 +186,27 @@ def test_reward_story_reads_the_curves(tmp_path):
     _csv(results / "reward_curves_summary.csv", summary)
     text = _block(_render(tmp_path, results)["docs/results.md"].read_text(), "reward_story")
     assert "changed the trajectory but not the final accuracy" in text
+
+
+def test_soak_story_fits_and_descriptors(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    base = dict(iterations=100, wall_s=150, restarted="", requests_resent="")
+    _csv(results / "soak_summary.csv", [
+        dict(process="trainer", leg=1, first_iteration=0, last_iteration=40, rss_slope_mib_per_100_iterations=2.04,
+             rss_last_mib=500, **base),
+        dict(process="trainer", leg=2, first_iteration=40, last_iteration=100, rss_slope_mib_per_100_iterations=-0.5,
+             rss_last_mib=510, **base),
+        dict(process="worker0", leg=2, first_iteration=40, last_iteration=100, rss_slope_mib_per_100_iterations=0.3,
+             rss_last_mib=400, **base),
+        dict(process="worker1", leg=2, first_iteration=70, last_iteration=100, rss_slope_mib_per_100_iterations=1.26,
+             rss_last_mib=420, **{**base, "restarted": "yes", "requests_resent": 3})])
+    samples = [dict(process=p, fds=f, event=e, trace_mib=t) for p, f, e, t in
+               (("trainer", 30, "leg start", 0), ("trainer", 40, "", 0.5), ("trainer", 42, "", 1.25),
+                ("worker0", 50, "", 0), ("worker1", 0, "SIGKILL worker1", 0), ("worker1", 51, "", 0))]
+    _csv(results / "soak.csv", samples)
+    text = _block(_render(tmp_path, results)["docs/usage.md"].read_text(), "soak")
+    assert "100 iterations in 2 min; the restarted worker re-sent 3 requests" in text
+    assert "trainer 2.0 MiB (leg 1, iterations 0-40) and -0.5 MiB (leg 2, iterations 40-100) at ~505 MiB" in text
+    assert "workers 0.3-1.3 MiB at ~410 MiB" in text
+    assert "trainer 40-42, workers 50-51" in text and "grows to 1.25 MiB" in text  # not the start's 30 or the kill's 0
