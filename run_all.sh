@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # The CPU-scale reproduction, end to end: warm start, then one experiment per paper claim,
 # then the tables (docs/results.md, the README's claims) from the results they wrote.
-#   bash run_all.sh            full run, one experiment at a time (the experiments add up to about four
-#                              hours on a 2-core CPU; each one's time: docs/reproduce.md)
+#   bash run_all.sh            full run, one experiment at a time (hours on a 2-core CPU; each
+#                              experiment's measured time: docs/reproduce.md)
 #   QUICK=1 bash run_all.sh    smoke run of the same code paths at small sizes; implies FORCE=1; two
 #                              experiments at a time (LANES=1 for one), each one's output in
-#                              $RESULTS_DIR/logs/<experiment>.log (measured: 319 s on 2 cores at
-#                              a153d5e, .venv and artifacts/ built)
+#                              $RESULTS_DIR/logs/<experiment>.log (measured times: docs/reproduce.md)
 #   FORCE=1 bash run_all.sh    start afresh, though a stopped run could be resumed
 # RESULTS_DIR (default results) redirects every CSV, and the figures to $RESULTS_DIR/figures.
 # Each finished experiment's wall time goes to $RESULTS_DIR/logs/run_all_progress.csv; a run
