@@ -564,13 +564,19 @@ def _experiments(run_all: Path) -> list[str]:
 
 def render(path: Path, blocks: dict[str, str]) -> None:
     """Replace each <!-- results:NAME --> ... <!-- /results:NAME --> block of `path` by its body;
-    a marker the file lacks is an error (a table that would silently go nowhere)."""
+    a marker the file lacks is an error (a table that would silently go nowhere). A block whose
+    opening marker ends its line is a block of lines; one within a line of prose stays within it
+    (Markdown ends a paragraph at a line that starts with a comment)."""
     text = path.read_text()
     for name, body in blocks.items():
-        pattern = rf"<!-- results:{name} -->.*?<!-- /results:{name} -->"
-        if not re.search(pattern, text, flags=re.S):
+        pattern = rf"<!-- results:{name} -->(\n?).*?<!-- /results:{name} -->"
+        match = re.search(pattern, text, flags=re.S)
+        if match is None:
             raise SystemExit(f"{path}: no <!-- results:{name} --> marker")
-        text = re.sub(pattern, lambda _: f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->", text,
+        sep = match.group(1)
+        if not sep and "\n" in body:
+            raise SystemExit(f"{path}: <!-- results:{name} --> sits within a line, and its body has several")
+        text = re.sub(pattern, lambda _: f"<!-- results:{name} -->{sep}{body}{sep}<!-- /results:{name} -->", text,
                       flags=re.S)
     path.write_text(text)
 

@@ -86,7 +86,7 @@ def test_vllm_speed_is_the_range_of_engine_csv_per_model(tmp_path):
             w.writerows([model, "uniform", v] for v in values)
     docs = _render(tmp_path, results)
     for name in ("README.md", "docs/gpu.md"):
-        block = re.search(r"<!-- results:vllm_speed -->\n(.*?)\n<!-- /results:vllm_speed -->",
+        block = re.search(r"<!-- results:vllm_speed -->(.*?)<!-- /results:vllm_speed -->",
                           docs[name].read_text(), flags=re.S).group(1)
         assert block == (f"1.2-2.5x the built-in engine on model-a, 3.0x the built-in engine on model-b "
                          f"(`{results}/engine.csv`)"), (name, block)
