@@ -1,7 +1,9 @@
 """Render results/*.csv into the docs between <!-- results:NAME --> markers (never by hand):
 the claims table (paper value, ours, command) into README.md, every result table into
-docs/results.md, the times of `run_all.sh` into docs/reproduce.md, vLLM's measured speed over the
-built-in engine into README.md and docs/gpu.md, the scale-out and weight-sync numbers into docs/scaling.md, the soak run's into docs/usage.md. Captions cite the paper's numbers.
+docs/results.md with the reading of the reward-curve and asynchrony runs, the times of `run_all.sh`
+into docs/reproduce.md, vLLM's measured speed over the built-in engine into README.md and
+docs/gpu.md, the scale-out and weight-sync numbers into docs/scaling.md, the soak run's into
+docs/usage.md. Captions cite the paper's numbers.
 
     python scripts/update_readme.py [--results results] [--readme README.md] [--tables docs/results.md]
         [--reproduce docs/reproduce.md] [--gpu docs/gpu.md]
@@ -470,8 +472,8 @@ def reward_story(results: Path, tag: str = "", window: int = 10) -> str:
                      f"have the same curves; periodic-async took {_minutes(float(pa['wall_s']))} against "
                      f"{_minutes(float(sync['wall_s']))} for sync-separated.")
         else:
-            text += (f"\n**Sync-separated and periodic-async sample the same tokens** for the first {same} of {total} "
-                     "iterations; then an fp32 summation-order difference flips a sampled token and the two become "
+            text += (f"\n**Sync-separated and periodic-async sample the same tokens** in {same} of {total} "
+                     "iterations; where they part, an fp32 summation-order difference flips a sampled token and the two become "
                      "two draws of the same process, which still agree closely: the largest per-iteration gap is "
                      f"{float(pa['max_abs_diff_reward']):.3g} in training reward and {float(pa['max_abs_diff_eval']):.3g} "
                      f"in held-out accuracy (ending at {f(pa['eval_accuracy_end'])} and {f(sync['eval_accuracy_end'])}).")
@@ -591,25 +593,25 @@ def main() -> None:
     ap.add_argument("--scaling", default="docs/scaling.md", help="gets the scale-out and weight-sync numbers")
     ap.add_argument("--usage", default="docs/usage.md", help="gets the soak run's numbers")
     args = ap.parse_args()
+    results = Path(args.results)
     tables = {}
     for name, (file, script, caption, *columns) in SOURCES.items():
-        path = Path(args.results) / file
+        path = results / file
         tables[name] = (f"{caption} `{path}`, written by `bash {script}`:\n\n{table(path, *columns)}"
                         if path.is_file() else f"_`{path}` not produced yet: run `bash {script}`._")
-    tables["async_balanced_story"] = async_balanced_story(Path(args.results))
-    tables["reward_story"] = reward_story(Path(args.results))
-    tables["reward_story_real"] = reward_story(Path(args.results), "_real", window=5)
-    tables["reward_story_seed1"] = reward_story(Path(args.results) / "reward_curves_seed1")
+    tables["async_balanced_story"] = async_balanced_story(results)
+    tables["reward_story"] = reward_story(results)
+    tables["reward_story_real"] = reward_story(results, "_real", window=5)
+    tables["reward_story_seed1"] = reward_story(results / "reward_curves_seed1")
     render(Path(args.tables), tables)
-    speed = vllm_speed(Path(args.results))
-    render(Path(args.readme), {"claims": claims_table(Path(args.results)), "vllm_speed": speed})
+    speed = vllm_speed(results)
+    render(Path(args.readme), {"claims": claims_table(results), "vllm_speed": speed})
     render(Path(args.gpu), {"vllm_speed": speed})
-    results = Path(args.results)
     render(Path(args.scaling), {"weight_sync_collective": weight_sync_table(results),
                                 "scaling_measured": scaling_measured(results),
                                 "scaling_simulated": scaling_simulated(results)})
     render(Path(args.usage), {"soak": soak_story(results)})
-    render(Path(args.reproduce), {"run_all_times": times_table(Path(args.results), _experiments(Path("run_all.sh")))})
+    render(Path(args.reproduce), {"run_all_times": times_table(results, _experiments(Path("run_all.sh")))})
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def test_reward_story_reads_the_curves(tmp_path):
     first, last = sum(0.1 * i for i in range(1, 11)) / 10, sum(0.1 * i for i in range(3, 13)) / 10
     assert f"averages {first:.2f} over the first 10 iterations and {last:.2f} over the last 10" in text
     assert "+20.0 points with a paired standard error of 2.5" in text and "in 10 min of wall time" in text
-    assert f"for the first 5 of {n} iterations" in text
+    assert f"sample the same tokens** in 5 of {n} iterations" in text
     assert "(the same tokens in 2/12 iterations)" in text and "leaves sync's at iteration 4" in text
     dev = sum(0.002 * i for i in range(1, n + 1)) / n
     assert f"importance ratio from 1 is {dev:.3f} (peak {0.002 * n:.3f})" in text
