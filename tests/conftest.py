@@ -47,9 +47,11 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """A local Ray session for one test module (shut down at its end)."""
+    """A new local Ray session for one test module (shut down at its end). `address="local"`:
+    never join another cluster, such as one a `ray start` or a killed test left in
+    /tmp/ray/ray_current_cluster (ray.init() would join it, and refuse num_cpus)."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
 
