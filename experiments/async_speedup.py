@@ -66,7 +66,8 @@ def main(argv=None) -> list[dict]:
               "using the random qwen2-1m preset")
         extra.append("model.name_or_path=qwen2-1m")
     if args.quick:
-        extra += ["trainer.iterations=2", "algorithm.prompts_per_iteration=8", "algorithm.group_size=4"]
+        extra += ["trainer.iterations=2", "algorithm.prompts_per_iteration=8", "algorithm.group_size=4",
+                  "data.num_train=1000"]
     init_ray(base.engine)
     engines = SharedEngines()
     systems = []

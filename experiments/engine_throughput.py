@@ -293,9 +293,9 @@ def main() -> None:
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     tiny = "qwen2-1m" if args.quick else "qwen2-5m"
-    tiny_workload = dict(n_prompts=32, group=4, uniform_tokens=64) if args.quick else \
+    tiny_workload = dict(n_prompts=16, group=4, uniform_tokens=32) if args.quick else \
         dict(n_prompts=64, group=4, uniform_tokens=96)
-    real_workload = dict(n_prompts=2, group=4, uniform_tokens=16) if args.quick else \
+    real_workload = dict(n_prompts=1, group=4, uniform_tokens=8) if args.quick else \
         dict(n_prompts=8, group=4, uniform_tokens=64)
     tok_dir = str(Path(args.tokenizer).resolve())
     ensure_tokenizer(tok_dir)

@@ -47,7 +47,7 @@ def main(argv=None) -> list[dict]:
     from periodic_async.config import RunConfig, git_commit, load_config
     from periodic_async.pipeline import run
 
-    extra = list(args.overrides)
+    extra = (["data.num_train=1000"] if args.quick else []) + list(args.overrides)
     if not Path(load_config(RunConfig, HERE / "fig1_timeline.yaml", extra).model.name_or_path).is_dir():
         print("[fig1_timeline] no warm start (run `bash experiments/warm_start.sh`); using the random qwen2-1m preset")
         extra.append("model.name_or_path=qwen2-1m")

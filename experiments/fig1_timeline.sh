@@ -2,7 +2,7 @@
 # The paper's Figure 1 from real runs (see fig1_timeline.py): sync-separated vs periodic-async,
 # 10 requests on 5 slots. Writes $RESULTS_DIR/fig1_timeline.csv, $RESULTS_DIR/fig1/ (traces) and
 # $FIGURES_DIR/fig1_timeline.png. About a minute.
-#   bash experiments/fig1_timeline.sh          QUICK=1 (the same, it is small); RESULTS_DIR (default results)
+#   bash experiments/fig1_timeline.sh          QUICK=1 (the same, fewer training problems); RESULTS_DIR (default results)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh

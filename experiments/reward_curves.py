@@ -55,8 +55,8 @@ from periodic_async.trace import read_jsonl
 
 HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async", "async-offpolicy"]
-QUICK = ["trainer.iterations=2", "trainer.eval_every=1", "data.num_eval=20", "algorithm.prompts_per_iteration=8",
-         "algorithm.warmup_steps=1"]
+QUICK = ["trainer.iterations=2", "trainer.eval_every=1", "data.num_train=1000", "data.num_eval=10",
+         "algorithm.prompts_per_iteration=4", "algorithm.warmup_steps=1"]
 STATS = {"entropy": "train/entropy", "grad_norm": "train/grad_norm", "kl": "train/kl", "clip_frac": "train/clip_frac",
          "ratio_mean": "train/ratio_mean", "ratio_abs_dev": "train/ratio_abs_dev",
          "behaviour_logp_gap": "train/behaviour_logp_gap"}

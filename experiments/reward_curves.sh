@@ -8,7 +8,7 @@ source scripts/setup_env.sh
 export WANDB_RUN_GROUP=reward_curves   # the W&B group of this experiment's runs
 base=artifacts/sft-rl-base; sft=(); quick=()
 if [ "${QUICK:-0}" != 0 ]; then
-  base=artifacts/sft-rl-base-quick; sft=(sft.max_steps=20 data.num_eval=20); quick=(--quick)
+  base=artifacts/sft-rl-base-quick; sft=(sft.max_steps=10 data.num_train=1000 data.num_eval=10); quick=(--quick)
 fi
 if [ ! -f "$base/config.json" ]; then
   python -m periodic_async sft --config experiments/rl_base.yaml sft.output_dir="$base" logging.progress=false "${sft[@]}"

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export WANDB_RUN_GROUP=reward_curves_real   # the W&B group of this experiment's runs
 python -m periodic_async prepare-model smollm2-135m
-quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick engine.max_tokens=16 data.num_eval=8 algorithm.prompts_per_iteration=2
-                                          algorithm.group_size=4 trainer.iterations=2 trainer.eval_every=2)
+quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick engine.max_tokens=16 data.num_train=200 data.num_eval=4
+                                          algorithm.prompts_per_iteration=2 algorithm.group_size=2 trainer.iterations=2
+                                          trainer.eval_every=2)
 python experiments/reward_curves.py --config experiments/reward_curves_real.yaml --tag real "${quick[@]}" \
   --results "${RESULTS_DIR:-results}" "$@"

@@ -192,7 +192,7 @@ def main(argv=None) -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 2)
-    extra = ["trainer.iterations=2", "algorithm.prompts_per_iteration=8"] if args.quick else []
+    extra = ["trainer.iterations=2", "algorithm.prompts_per_iteration=4", "data.num_train=1000"] if args.quick else []
     measured_rows, measured = measure_cpu(args, extra)
     out = Path(args.results)
     write_csv(out / "scaling_measured.csv", measured_rows)

@@ -8,17 +8,18 @@ export WANDB_RUN_GROUP=warm_start
 results="${RESULTS_DIR:-results}"
 out=artifacts/sft-qwen2-1m
 args=()
-if [ "${QUICK:-0}" != 0 ]; then out=artifacts/sft-quick; args+=(sft.max_steps=10 data.num_eval=20); fi
+if [ "${QUICK:-0}" != 0 ]; then out=artifacts/sft-quick; args+=(sft.max_steps=10 data.num_train=1000 data.num_eval=20); fi
 python -m periodic_async sft --config experiments/sft.yaml sft.output_dir="$out" "${args[@]}" "$@"
 mkdir -p "$results"
+# sft.csv from the run's summary, and its W&B summary run (offline unless WANDB_MODE=online)
 python - "$out/sft_summary.json" "$results/sft.csv" <<'PY'
 import csv, json, sys
 from periodic_async.config import git_commit
+from periodic_async.trace import log_experiment
 summary = json.load(open(sys.argv[1]))
 keys = ["model", "parameters", "steps", "examples_seen", "train_seconds", "eval_n", "accuracy_before", "accuracy_after"]
 with open(sys.argv[2], "w", newline="") as f:
     w = csv.writer(f); w.writerow(keys + ["git_commit"]); w.writerow([summary[k] for k in keys] + [git_commit()])
 print(f"wrote {sys.argv[2]}")
+log_experiment("warm_start", [sys.argv[2]])
 PY
-python -c "import sys; from periodic_async.trace import log_experiment; log_experiment('warm_start', sys.argv[1:])" \
-  "$results/sft.csv"   # W&B summary run (offline unless WANDB_MODE=online)

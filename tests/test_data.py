@@ -336,3 +336,35 @@ def test_prompt_longer_than_context(tmp_path, tokenizer_dir, tokenizer, capsys):
     assert capsys.readouterr().out.count("skipped 1 of 3 training examples too long") == 1
     assert fit_to_context(load_examples(DataConfig(source=src)), [], tokenizer, 16, 8192) == \
         load_examples(DataConfig(source=src))  # everything fits: nothing dropped
+
+
+def test_encode_chats_is_encode_chat_of_each(tokenizer):
+    """The batched encoding (start-up checks, SFT) gives each conversation's own ids."""
+    from periodic_async.data import encode_chats
+
+    cfg = DataConfig(few_shot=2)
+    convs = [prompt_messages(e, few_shot_examples(cfg), cfg) for e in load_examples(DataConfig(num_train=5))]
+    assert encode_chats(tokenizer, convs) == [encode_chat(tokenizer, m) for m in convs]
+    assert encode_chats(tokenizer, []) == []
+
+
+def test_data_is_loaded_once_per_process_until_its_file_changes(tmp_path, tokenizer_dir, tokenizer, monkeypatch):
+    """A process that runs several times on the same data (a benchmark's systems) loads and checks
+    it once; a changed data file, or other data settings, load anew."""
+    from periodic_async import pipeline
+    from periodic_async.model import load_policy
+
+    calls = []
+    monkeypatch.setattr(pipeline, "fit_to_context", lambda e, *a, **k: calls.append(len(e)) or list(e))
+    src = tmp_path / "q.jsonl"
+    _jsonl(src, [json.dumps({"question": f"Q{i}?", "answer": f"#### {i}"}) for i in range(3)])
+    cfg = lambda *o: load_config(RunConfig, None, [f"data.source={src}", "data.num_train=0", "data.num_eval=0",  # noqa: E731
+                                                   f"model.tokenizer={tokenizer_dir}", "model.name_or_path=qwen2-micro",
+                                                   *o])
+    policy, _ = load_policy(cfg().model)
+    first = pipeline._load_data(cfg(), policy, tokenizer)
+    again = pipeline._load_data(cfg(), policy, tokenizer)
+    assert calls == [3, 0] and again[0] == first[0] and again[0] is not first[0]
+    assert [e.question for e in pipeline._load_data(cfg("data.num_train=2"), policy, tokenizer)[0]] == ["Q0?", "Q1?"]
+    _jsonl(src, [json.dumps({"question": f"R{i}?", "answer": f"#### {i}"}) for i in range(4)])
+    assert [e.question for e in pipeline._load_data(cfg(), policy, tokenizer)[0]] == ["R0?", "R1?", "R2?", "R3?"]

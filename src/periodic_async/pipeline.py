@@ -199,15 +199,31 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     return side.summary(completed)
 
 
+_DATA_CACHE: dict[tuple, tuple[list, list, list]] = {}  # the last few data sets of this process
+
+
 def _load_data(cfg: RunConfig, policy, tokenizer) -> tuple[list, list, list, object]:
     """Rank 0's (training examples, held-out examples, few-shot examples, reward function); every
-    prompt + max_tokens is checked once against the model's context."""
-    examples, evals = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
-    shots = few_shot_examples(cfg.data)
+    prompt + max_tokens is checked once against the model's context. A process that runs several
+    times on the same data (a benchmark's systems, resumed legs) loads and checks it once: the
+    key is everything the result depends on (the data settings, the source file's size and time,
+    max_tokens, the context, the tokenizer and its chat template)."""
     context = getattr(policy.config, "max_position_embeddings", None)
-    examples, evals = (fit_to_context(e, shots, tokenizer, cfg.engine.max_tokens, context, cfg.data.skip_too_long, what)
-                       for e, what in ((examples, "training"), (evals, "held-out")))
-    return examples, evals, shots, make_reward(cfg.reward)
+    source = Path(cfg.data.source)
+    stat = (source.stat().st_mtime_ns, source.stat().st_size) if source.exists() else None
+    key = (repr(cfg.data), stat, cfg.engine.max_tokens, context, type(tokenizer).__name__,
+           getattr(tokenizer, "name_or_path", ""), len(tokenizer), getattr(tokenizer, "chat_template", None))
+    if key not in _DATA_CACHE:
+        examples, evals = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
+        shots = few_shot_examples(cfg.data)
+        examples, evals = (fit_to_context(e, shots, tokenizer, cfg.engine.max_tokens, context,
+                                          cfg.data.skip_too_long, what)
+                           for e, what in ((examples, "training"), (evals, "held-out")))
+        while len(_DATA_CACHE) >= 4:
+            _DATA_CACHE.pop(next(iter(_DATA_CACHE)))
+        _DATA_CACHE[key] = (examples, evals, shots)
+    examples, evals, shots = _DATA_CACHE[key]
+    return list(examples), list(evals), list(shots), make_reward(cfg.reward)
 
 
 class _Generation:

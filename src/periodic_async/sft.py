@@ -20,23 +20,20 @@ from pathlib import Path
 import torch
 
 from periodic_async.config import SFTRunConfig, save_run_info
-from periodic_async.data import few_shot_examples, load_examples, prompt_messages
+from periodic_async.data import encode_chats, few_shot_examples, load_examples, prompt_messages
 from periodic_async.evaluate import evaluate
 from periodic_async.model import load_policy, num_parameters
 from periodic_async.reward import make_accuracy
-from periodic_async.data.prompts import encode_chat
 from periodic_async.trace import MetricsLogger
 
 
 def tokenize_sft(tokenizer, examples, shots, data=None) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, target ids ending in eos) of every example that has a solution; `data`: the
     prompt template (a DataConfig; None: the defaults)."""
-    out = []
-    for e in examples:
-        if e.solution is None:
-            continue
-        target = tokenizer(e.solution, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-        out.append((encode_chat(tokenizer, prompt_messages(e, shots, data)), target))
+    solved = [e for e in examples if e.solution is not None]
+    prompts = encode_chats(tokenizer, [prompt_messages(e, shots, data) for e in solved])
+    targets = tokenizer([e.solution for e in solved], add_special_tokens=False).input_ids if solved else []
+    out = [(p, t + [tokenizer.eos_token_id]) for p, t in zip(prompts, targets)]
     if not out:
         raise ValueError("supervised warm start: no training example has a worked solution")
     return out

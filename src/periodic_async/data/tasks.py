@@ -239,6 +239,8 @@ def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
     head; any overlap is a ValueError naming the source."""
     if split not in ("train", "eval"):
         raise ValueError(f"load_examples: split={split!r}: expected 'train' or 'eval'")
+    if split == "eval" and not cfg.num_eval:
+        return []
     if cfg.source == "synthetic":
         train = make_synthetic(cfg.num_train, cfg, seed=cfg.seed)
         if split == "train":
@@ -252,8 +254,6 @@ def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
         train = examples[: cfg.num_train] if cfg.num_train else examples
         if split == "train":
             return train
-        if not cfg.num_eval:
-            return []
         n_train = cfg.num_train or len(examples)
         if n_train + cfg.num_eval > len(examples):  # eval: the tail, after the training head
             raise DataError(
