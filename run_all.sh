@@ -63,7 +63,7 @@ experiment() {  # run experiments/$1.sh unless this run (resumed) finished it an
   echo "--- $exp: $((SECONDS - t0)) s${log:+ (output: $log)}"
   # every finished experiment's wall time, so that a run resumed later (finished experiments are
   # skipped) still adds up to the whole
-  echo "$exp,$((SECONDS - t0)),${QUICK:-0},$commit,$(date -u +%Y-%m-%dT%H:%M:%SZ)" >> "$progress"
+  echo "$exp,$((SECONDS - t0)),${QUICK:-0},$commit,$(date -u +%Y-%m-%dT%H:%M:%SZ),$cpu" >> "$progress"
 }
 lane() {  # the given experiments one after another, up to the first that fails
   local exp
@@ -74,8 +74,12 @@ mkdir -p "$RESULTS_DIR/logs"
 progress="$RESULTS_DIR/logs/run_all_progress.csv" times="$RESULTS_DIR/run_all_times.csv"
 if [ "$FORCE" != 0 ]; then rm -f "$progress"; fi   # a forced (or smoke) run times every experiment afresh
 if [ -f "$progress" ]; then echo "resuming the run in $progress (FORCE=1 starts afresh)"
-else echo "experiment,seconds,quick,git_commit,finished" > "$progress"; fi
+else echo "experiment,seconds,quick,git_commit,finished,cpu" > "$progress"; fi
 commit=$(python -c "from periodic_async.config import git_commit; print(git_commit())")  # what every CSV records
+# the machine each time was measured on: CPU model, widest vector unit, cores (times differ severalfold between CPUs)
+cpu="$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | tr -d ',' | xargs || true)"
+isa="$(grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo AVX-512 || { grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo AVX2 || echo "no AVX2"; })"
+cpu="${cpu:-$(uname -m)} ($isa, $(getconf _NPROCESSORS_ONLN) cores)"
 for exp in "${EXPERIMENTS[@]}"; do
   [ -f "experiments/$exp.sh" ] || { echo "run_all.sh: experiments/$exp.sh is missing"; exit 1; }
 done

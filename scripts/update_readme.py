@@ -341,9 +341,15 @@ def times_table(results: Path, experiments: list[str]) -> str:
     total_quick = (f"{_span(list(quick.values())):.0f} s (two at a time)" if set(experiments) <= set(quick)
                    else "not timed end to end")
     lines.append(f"| **the whole run** | {total_full} | {total_quick} |")
-    commits = {t: sorted({r["git_commit"][:7] for r in rows.values()}) for t, rows in (("full", full), ("quick", quick))}
-    return (f"Measured on 2 CPU cores (`{results}/run_all_times.csv`, commit {', '.join(commits['full']) or '-'}; "
-            f"`{results}/run_all_times_quick.csv`, commit {', '.join(commits['quick']) or '-'}):\n\n" + "\n".join(lines))
+    def where(name: str, rows: dict) -> str:  # the file, its commit(s) and the machine(s) it was measured on
+        commits = sorted({r["git_commit"][:7] for r in rows.values()})
+        cpus = sorted({r.get("cpu") or "" for r in rows.values()} - {""})
+        return (f"`{results}/{name}`, commit {', '.join(commits) or '-'}, "
+                f"{'; '.join(cpus) if cpus else 'CPU not recorded'}")
+
+    return (f"Measured ({where('run_all_times.csv', full)}; {where('run_all_times_quick.csv', quick)}). "
+            "Machines of the same core count differ severalfold (vector units, clock): compare times "
+            "measured on one machine.\n\n" + "\n".join(lines))
 
 
 def vllm_speed(results: Path) -> str:

@@ -18,12 +18,14 @@ def _experiments() -> list[str]:
     return re.search(r"^EXPERIMENTS=\((.*?)\)", (ROOT / "run_all.sh").read_text(), flags=re.S | re.M).group(1).split()
 
 
-def _write(path: Path, rows: list[tuple[str, int, datetime]], quick: int) -> None:
+def _write(path: Path, rows: list[tuple[str, int, datetime]], quick: int, cpu: str | None = None) -> None:
+    """run_all.sh's times file; `cpu`: its cpu column (None: a file from before the column)."""
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["experiment", "seconds", "quick", "git_commit", "finished"])
+        w.writerow(["experiment", "seconds", "quick", "git_commit", "finished"] + (["cpu"] if cpu else []))
         for exp, seconds, finished in rows:
-            w.writerow([exp, seconds, quick, "abcdef1234", finished.strftime("%Y-%m-%dT%H:%M:%SZ")])
+            w.writerow([exp, seconds, quick, "abcdef1234", finished.strftime("%Y-%m-%dT%H:%M:%SZ")] +
+                       ([cpu] if cpu else []))
 
 
 def _render(tmp_path: Path, results: Path) -> dict[str, Path]:
@@ -57,7 +59,7 @@ def test_times_table_sums_the_full_run_and_spans_the_smoke_run(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     _write(results / "run_all_times.csv", full, 0)
-    _write(results / "run_all_times_quick.csv", quick, 1)
+    _write(results / "run_all_times_quick.csv", quick, 1, cpu="Some CPU (AVX2, 2 cores)")
     docs = _render(tmp_path, results)
     block = re.search(r"<!-- results:run_all_times -->(.*?)<!-- /results:run_all_times -->",
                       docs["docs/reproduce.md"].read_text(), flags=re.S).group(1)
@@ -67,6 +69,8 @@ def test_times_table_sums_the_full_run_and_spans_the_smoke_run(tmp_path):
     total = re.search(r"\| \*\*the whole run\*\* \| (.*?) \| (.*?) \|", block).groups()
     assert total == (f"{600 * len(exps) / 3600:.1f} h (the sum)", f"{span:.0f} s (two at a time)")
     assert span < sum(10 + i for i in range(len(exps)))  # the lanes overlapped
+    assert (f"Measured (`{results}/run_all_times.csv`, commit abcdef1, CPU not recorded; "
+            f"`{results}/run_all_times_quick.csv`, commit abcdef1, Some CPU (AVX2, 2 cores))") in block
 
     # a run that has not finished every experiment is not given a total
     _write(results / "run_all_times.csv", full[:-1], 0)
