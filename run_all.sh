@@ -79,7 +79,7 @@ commit=$(python -c "from periodic_async.config import git_commit; print(git_comm
 # the machine each time was measured on: CPU model, widest vector unit, cores (times differ severalfold between CPUs)
 cpu="$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | tr -d ',' | xargs || true)"
 isa="$(grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo AVX-512 || { grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo AVX2 || echo "no AVX2"; })"
-cpu="${cpu:-$(uname -m)} ($isa, $(getconf _NPROCESSORS_ONLN) cores)"
+cpu="${cpu:-$(uname -m)} ($isa; $(getconf _NPROCESSORS_ONLN) cores)"  # no comma: a CSV field
 for exp in "${EXPERIMENTS[@]}"; do
   [ -f "experiments/$exp.sh" ] || { echo "run_all.sh: experiments/$exp.sh is missing"; exit 1; }
 done

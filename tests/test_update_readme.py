@@ -59,7 +59,7 @@ def test_times_table_sums_the_full_run_and_spans_the_smoke_run(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     _write(results / "run_all_times.csv", full, 0)
-    _write(results / "run_all_times_quick.csv", quick, 1, cpu="Some CPU (AVX2, 2 cores)")
+    _write(results / "run_all_times_quick.csv", quick, 1, cpu="Some CPU (AVX2; 2 cores)")
     docs = _render(tmp_path, results)
     block = re.search(r"<!-- results:run_all_times -->(.*?)<!-- /results:run_all_times -->",
                       docs["docs/reproduce.md"].read_text(), flags=re.S).group(1)
@@ -70,7 +70,7 @@ def test_times_table_sums_the_full_run_and_spans_the_smoke_run(tmp_path):
     assert total == (f"{600 * len(exps) / 3600:.1f} h (the sum)", f"{span:.0f} s (two at a time)")
     assert span < sum(10 + i for i in range(len(exps)))  # the lanes overlapped
     assert (f"Measured (`{results}/run_all_times.csv`, commit abcdef1, CPU not recorded; "
-            f"`{results}/run_all_times_quick.csv`, commit abcdef1, Some CPU (AVX2, 2 cores))") in block
+            f"`{results}/run_all_times_quick.csv`, commit abcdef1, Some CPU (AVX2; 2 cores))") in block
 
     # a run that has not finished every experiment is not given a total
     _write(results / "run_all_times.csv", full[:-1], 0)
