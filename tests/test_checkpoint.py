@@ -273,7 +273,8 @@ def _tree(pid: int) -> list:
     return [parent, *parent.children(recursive=True)]
 
 
-@pytest.mark.parametrize("backend", ["local", "ray"])
+# slow with Ray (half a minute: the engine actors start and stop); the local engine is the default case
+@pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=pytest.mark.slow)])
 def test_sigterm_leaves_no_processes(backend, tokenizer_dir, tmp_path):
     """`python -m periodic_async train` gets SIGTERM after its first iteration: it exits 143
     within 60 s, leaves a complete checkpoint of the last completed iteration, and no process

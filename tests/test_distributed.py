@@ -262,7 +262,8 @@ def _tokens(out: Path, iteration: int) -> dict:
             if r["iteration"] == iteration}
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+# slow under FSDP (its sharded checkpoint); DDP is the default case
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_resume_matches_uninterrupted(tokenizer_dir, tmp_path, parallel):
     """Checkpoints are the single process's whatever the ranks and layout. 2 ranks train
     iterations 0..2 with a checkpoint after each (full); 2 new ranks resume from its

@@ -127,6 +127,7 @@ def test_worker_killed_mid_iteration(ray_session, tokenizer_dir, tmp_path, kill_
     assert max_abs_diff(_weights(tmp_path / "killed"), _weights(tmp_path / "reference")) <= 1e-10
 
 
+@pytest.mark.slow  # half a minute; `bash experiments/soak.sh` (QUICK too) restarts a SIGKILLed worker
 def test_worker_restarted_run_continues(ray_session, reference, tokenizer_dir, tmp_path, kill_worker):
     """engine.restart_workers=1: worker 1 is SIGKILLed in iteration 1, replaced by a new process
     loaded with version 1, and its unfinished requests are re-sent; the run completes with the
@@ -156,6 +157,7 @@ def test_worker_restarted_run_continues(ray_session, reference, tokenizer_dir, t
         assert metrics[-1]["engine/requests_resent"] == len(r["resent"])
 
 
+@pytest.mark.slow  # half a minute; the default suite resizes by schedule in test_engine (manual_resize)
 def test_engine_added_between_iterations(ray_session, reference, tokenizer_dir, tmp_path):
     """engine.num_workers_schedule={2: 3, 3: 1}: a third worker joins after iteration 1 (loaded
     with version 2 before any request) and serves part of iteration 2; iteration 3 runs on

@@ -3,6 +3,8 @@ saves a model directory the RL runs can load."""
 
 import json
 
+import torch
+
 from periodic_async.config import SFTRunConfig, load_config
 from periodic_async.model import load_policy
 from periodic_async.sft import run_sft
@@ -12,8 +14,12 @@ def test_short_sft_beats_untrained_model(tokenizer_dir, tmp_path):
     cfg = load_config(SFTRunConfig, None, [
         f"model.tokenizer={tokenizer_dir}", "data.min_steps=1", "data.max_steps=1", "data.max_operand=4",
         "data.num_train=2000", "data.num_eval=40", "sft.max_steps=150", "sft.batch_size=32", "sft.lr=3e-3",
-        "sft.warmup_steps=10", "sft.threads=1", f"sft.output_dir={tmp_path / 'sft'}", "logging.wandb_mode=disabled"])
-    summary = run_sft(cfg)
+        "sft.warmup_steps=10", "sft.threads=2", f"sft.output_dir={tmp_path / 'sft'}", "logging.wandb_mode=disabled"])
+    threads = torch.get_num_threads()  # sft.threads=2 (both cores) sets torch's; the other tests run on one
+    try:
+        summary = run_sft(cfg)
+    finally:
+        torch.set_num_threads(threads)
     assert summary["accuracy_before"] == 0.0
     assert summary["accuracy_after"] >= 0.2
     saved = json.loads((tmp_path / "sft" / "sft_summary.json").read_text())

@@ -345,6 +345,7 @@ def test_vllm_worker_hang_is_named(ray_vllm, tokenizer):
     assert ray_vllm.info()[0]["pid"] == info["pid"]
 
 
+@pytest.mark.slow  # half a minute; the default suite names a killed built-in worker (test_engine)
 def test_vllm_worker_killed_is_named(ray_vllm, model_dir, tokenizer):
     """SIGKILL of a vLLM worker mid-generation: with a restart left it is replaced by a new
     vLLM worker holding the current version, and the re-sent requests give the tokens of an

@@ -36,6 +36,7 @@ def test_layout_packs_every_tensor_once_aligned():
     assert aliases(state) == [("tied", "a")]
 
 
+@pytest.mark.slow  # half a minute; the default suite checks the collective push in test_vllm and test_multinode
 def test_collective_sync_matches_object_store(tokenizer_dir):
     """Version 1 (the initial weights plus noise, so it differs from what the workers built) is
     pushed to two workers through the object store and to two others by broadcast in several
