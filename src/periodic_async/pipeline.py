@@ -207,10 +207,12 @@ def _load_data(cfg: RunConfig, policy, tokenizer) -> tuple[list, list, list, obj
     prompt + max_tokens is checked once against the model's context. A process that runs several
     times on the same data (a benchmark's systems, resumed legs) loads and checks it once: the
     key is everything the result depends on (the data settings, the source file's size and time,
-    max_tokens, the context, the tokenizer and its chat template)."""
+    max_tokens, the context, the tokenizer and its chat template); examples skipped as too long
+    (data.skip_too_long) are reported at the first load."""
     context = getattr(policy.config, "max_position_embeddings", None)
     source = Path(cfg.data.source)
-    stat = (source.stat().st_mtime_ns, source.stat().st_size) if source.exists() else None
+    st = source.stat() if source.exists() else None
+    stat = (st.st_mtime_ns, st.st_size) if st else None
     key = (repr(cfg.data), stat, cfg.engine.max_tokens, context, type(tokenizer).__name__,
            getattr(tokenizer, "name_or_path", ""), len(tokenizer), getattr(tokenizer, "chat_template", None))
     if key not in _DATA_CACHE:

@@ -96,8 +96,8 @@ def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 def encode_chats(tokenizer, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
-    """`encode_chat` of each conversation, tokenized in one batch (a fast tokenizer encodes a
-    batch in one call: 20,000 prompts in about a second instead of five)."""
+    """`encode_chat` of each conversation, tokenized in one tokenizer call (not one per prompt:
+    the start-up check and SFT encode every training prompt)."""
     if not conversations:
         return []
     texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
