@@ -15,7 +15,7 @@ length, 'long-tail' draws it from a lognormal (median half, a few up to 6x). Eng
 
 Each worker has 1 thread. Two models: a tiny preset (random weights, vocabulary 512) with 1 and
 2 workers, and the real model SmolLM2-135M-Instruct (`python -m periodic_async prepare-model
-smollm2-135m`; vocabulary 49,152) with 1 worker. Only generation is timed (models loaded and
+smollm2-135m`; vocabulary 49,152) with 1 worker. --quick: the tiny preset on 2 workers only. Only generation is timed (models loaded and
 warmed first); tok/s counts generated tokens.
 
 Protocol (periodic_async.bench): for each (model, workers) the six systems (three engines x two
@@ -24,8 +24,8 @@ median with min and max, a ratio the ratio of medians with the min/max of same-r
 
 Also measures weight pushes: the built-in engine's object-store sync for each preset
 (weight_sync.csv), and vLLM's push (reload_weights) with the probe check (engine/verify.py:
-the largest gap between vLLM's and the trainer's log-probs of a fixed probe) for both models
-(vllm_push.csv). Writes $RESULTS_DIR/engine.csv, weight_sync.csv and vllm_push.csv.
+the largest gap between vLLM's and the trainer's log-probs of a fixed probe) for each model, on
+its first pass (vllm_push.csv). --quick measures both pushes on its one pass's engines. Writes $RESULTS_DIR/engine.csv, weight_sync.csv and vllm_push.csv.
 """
 
 from __future__ import annotations
@@ -163,28 +163,35 @@ def engine_throughput(engine, requests) -> float:
 def weight_sync(models, tokenizer_dir, workers, repeats=3) -> list[dict]:
     """The built-in engine's object-store push of each preset to `workers` workers (median of `repeats`)."""
     from periodic_async.engine.ray_engine import RayEngine
-    from periodic_async.model import load_policy, num_parameters
 
     rows = []
     for name in models:
         cfg = ModelConfig(name_or_path=name, tokenizer=tokenizer_dir, device="cpu")
-        model, _ = load_policy(cfg)
-        state = model.state_dict()
-        nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
         engine = RayEngine(EngineConfig(backend="ray", num_workers=workers), cfg)
         try:
-            syncs = []
-            for v in range(1, repeats + 1):
-                engine.update_weights(state, v)
-                syncs.append(dict(engine.last_sync))
+            rows.append(sync_row(engine, cfg, name, repeats))
         finally:
             engine.close()
-        best = min(syncs, key=lambda s: s["total_s"])
-        rows.append(dict(model=name, params=num_parameters(model), bytes=nbytes,
-                         sync_s=round(statistics.median(s["total_s"] for s in syncs), 4), workers=workers,
-                         publish_s=round(best["publish_s"], 4), load_s=round(best["load_s"], 4)))
-        print(f"weight sync {rows[-1]}", flush=True)
     return rows
+
+
+def sync_row(engine, model_cfg, label, repeats) -> dict:
+    """`repeats` object-store pushes of the model's weights into a built-in `engine` (median)."""
+    from periodic_async.model import load_policy, num_parameters
+
+    model, _ = load_policy(model_cfg)
+    state = model.state_dict()
+    nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+    syncs = []
+    for _ in range(repeats):
+        engine.update_weights(state, engine.version + 1)
+        syncs.append(dict(engine.last_sync))
+    best = min(syncs, key=lambda s: s["total_s"])
+    row = dict(model=label, params=num_parameters(model), bytes=nbytes,
+               sync_s=round(statistics.median(s["total_s"] for s in syncs), 4), workers=engine.cfg.num_workers,
+               publish_s=round(best["publish_s"], 4), load_s=round(best["load_s"], 4))
+    print(f"weight sync {row}", flush=True)
+    return row
 
 
 def vllm_push(engine, model_cfg, repeats=3, seed=0) -> dict:
@@ -233,8 +240,10 @@ def hf_directory(name: str, tokenizer_dir: str, root: Path) -> str:
     return str(out.resolve())
 
 
-def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib) -> tuple[list[dict], dict]:
-    """The six systems of one (model, workers) interleaved; rows for engine.csv and the vLLM push row."""
+def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib, push: bool,
+            sync: bool) -> tuple[list[dict], dict | None, dict | None]:
+    """The six systems of one (model, workers) interleaved: rows for engine.csv; with `push`, the
+    vLLM push row; with `sync`, the built-in engine's weight-sync row (on the engine just measured)."""
     from periodic_async.data.tokenizer import load_tokenizer
     from periodic_async.engine.ray_engine import RayEngine
 
@@ -256,7 +265,8 @@ def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib) 
             systems += [System(f"{e}/{d}", lambda reqs=reqs, e=e: {"tok_s": engine_throughput(engines[e], reqs)},
                                {**common, "system": e, "engine": vars(cfgs[e])}) for e in ("builtin", "vllm")]
         res = measure(systems, repeats=repeats)
-        push = vllm_push(engines["vllm"], model_cfg, repeats=repeats) if workers == 1 else None
+        push = vllm_push(engines["vllm"], model_cfg, repeats=repeats) if push else None
+        sync = sync_row(engines["builtin"], model_cfg, label, repeats=3) if sync else None
     finally:
         if hf is not None:
             hf.close()
@@ -279,7 +289,7 @@ def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib) 
                    git_commit=git_commit(), config_hash=res[f"vllm/{d}"].config_hash)
         rows.append(row)
         print(row, flush=True)
-    return rows, push
+    return rows, push, sync
 
 
 def main() -> None:
@@ -305,24 +315,31 @@ def main() -> None:
     from periodic_async.engine.ray_engine import init_ray
 
     init_ray(EngineConfig(backend="ray"))
-    rows, pushes = [], []
-    # QUICK: the tiny preset on 2 workers only (the 1-worker path, the vLLM push included, is the real model's)
+    rows, pushes, sync_rows = [], [], []
+    # QUICK: the tiny preset on 2 workers only, its vLLM push and weight sync measured on the same
+    # engines (the full run's 1-worker and real-model passes run the same code on other sizes)
     runs = [(tiny, hf_directory(tiny, tok_dir, Path(args.runs)), w, tiny_workload) for w in ((2,) if args.quick else (1, 2))]
-    if not args.no_real_model:
+    if not args.no_real_model and not args.quick:
         if not (Path(REAL_MODEL) / "config.json").is_file():
             raise SystemExit(f"{REAL_MODEL} is missing: python -m periodic_async prepare-model smollm2-135m")
         runs.append(("smollm2-135m-instruct", str(Path(REAL_MODEL).resolve()), 1, real_workload))
+    pushed = set()
     for label, path, workers, workload in runs:
         model_cfg = ModelConfig(name_or_path=path, device="cpu")
-        r, push = compare(model_cfg, label, workers, workload, repeats, max_num_seqs=32 if workload is tiny_workload
-                          else 16, kv_gib=1.0)
+        r, push, sync = compare(model_cfg, label, workers, workload, repeats,
+                                max_num_seqs=32 if workload is tiny_workload else 16, kv_gib=1.0,
+                                push=label not in pushed, sync=args.quick)  # each model's push: on its first pass
+        pushed.add(label)
         rows += r
         if push:
-            pushes.append({"model": label, **push, "git_commit": git_commit()})
+            pushes.append({"model": label, "workers": workers, **push, "git_commit": git_commit()})
             print(f"vllm push {pushes[-1]}", flush=True)
+        if sync:
+            sync_rows.append(sync)
     write_csv(out_dir / "engine.csv", rows)
     write_csv(out_dir / "vllm_push.csv", pushes)
-    sync_rows = weight_sync(["qwen2-1m"] if args.quick else ["qwen2-1m", "qwen2-5m", "qwen3-25m"], tok_dir, workers=2)
+    if not args.quick:
+        sync_rows = weight_sync(["qwen2-1m", "qwen2-5m", "qwen3-25m"], tok_dir, workers=2)
     write_csv(out_dir / "weight_sync.csv", [{**r, "git_commit": git_commit()} for r in sync_rows])
     import ray
 
