@@ -2,7 +2,7 @@
 # Tri-model cost (the paper's unified tri-model): micro-step time of policy/old/ref vs policy only, and weight
 # memory; writes $RESULTS_DIR/trimodel_cost.csv (default results/).
 #   bash experiments/trimodel_cost.sh          # qwen2-5m, fp32, about a minute
-#   QUICK=1 bash experiments/trimodel_cost.sh  # qwen2-1m, a few seconds
+#   QUICK=1 bash experiments/trimodel_cost.sh  # qwen2-1m, under half a minute
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
