@@ -37,14 +37,16 @@ EXPERIMENTS=(warm_start table2_throughput engine_throughput shared_prompt_ablati
 # that both take about as long (measured one at a time, in seconds: reward_curves_real 164,
 # table2_throughput 133, engine_throughput 70, soak 70, scaling 60, async_speedup 58, equivalence 56,
 # shared_async 51, reward_curves 43, fig1_timeline 43, shared_prompt_ablation 23, warm_start 19,
-# trimodel_cost 18). The second lane takes the rest in the order above, warm_start first: its
+# trimodel_cost 18). The second lane takes the rest in EXPERIMENTS' order, warm_start first: its
 # model (artifacts/sft-quick) is what equivalence and fig1_timeline load. In a smoke run only
 # reward_curves_real loads SmolLM2-135M, so no two SmolLM2 experiments run side by side.
 FIRST_LANE=(reward_curves_real engine_throughput async_speedup shared_async reward_curves shared_prompt_ablation)
 # Two lanes only for a smoke run: the full run measures times, and two experiments side by side
 # would share the cores (and its SmolLM2 experiments would run beside each other).
 LANES="${LANES:-$([ "${QUICK:-0}" != 0 ] && echo 2 || echo 1)}"
-if [ "$LANES" = 2 ] && [ "${QUICK:-0}" = 0 ]; then echo "run_all.sh: LANES=2 is for QUICK=1 only (the full run measures times)"; exit 1; fi
+if [ "$LANES" = 2 ] && [ "${QUICK:-0}" = 0 ]; then
+  echo "run_all.sh: LANES=2 is for QUICK=1 only (the full run measures times)"; exit 1
+fi
 case "$LANES" in 1|2) ;; *) echo "run_all.sh: LANES=$LANES: expected 1 or 2"; exit 1;; esac
 
 experiment() {  # run experiments/$1.sh unless this run (resumed) finished it and its main CSV is there

@@ -15,8 +15,8 @@ length, 'long-tail' draws it from a lognormal (median half, a few up to 6x). Eng
 
 Each worker has 1 thread. Two models: a tiny preset (random weights, vocabulary 512) with 1 and
 2 workers, and the real model SmolLM2-135M-Instruct (`python -m periodic_async prepare-model
-smollm2-135m`; vocabulary 49,152) with 1 worker. --quick: the tiny preset on 2 workers only. Only generation is timed (models loaded and
-warmed first); tok/s counts generated tokens.
+smollm2-135m`; vocabulary 49,152) with 1 worker; --quick: the tiny preset on 2 workers only. Only
+generation is timed (models loaded and warmed first); tok/s counts generated tokens.
 
 Protocol (periodic_async.bench): for each (model, workers) the six systems (three engines x two
 distributions) run interleaved for `--repeats` rounds (default 3; 1 with --quick); tok/s is the
@@ -25,7 +25,8 @@ median with min and max, a ratio the ratio of medians with the min/max of same-r
 Also measures weight pushes: the built-in engine's object-store sync for each preset
 (weight_sync.csv), and vLLM's push (reload_weights) with the probe check (engine/verify.py:
 the largest gap between vLLM's and the trainer's log-probs of a fixed probe) for each model, on
-its first pass (vllm_push.csv). --quick measures both pushes on its one pass's engines. Writes $RESULTS_DIR/engine.csv, weight_sync.csv and vllm_push.csv.
+its first pass (vllm_push.csv); --quick measures both kinds of push on the engines of its one
+pass. Writes $RESULTS_DIR/engine.csv, weight_sync.csv and vllm_push.csv.
 """
 
 from __future__ import annotations
