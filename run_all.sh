@@ -35,7 +35,7 @@ EXPERIMENTS=(warm_start table2_throughput engine_throughput shared_prompt_ablati
              shared_async reward_curves fig1_timeline equivalence scaling soak reward_curves_real)
 # A smoke run takes two lanes, each running its experiments one after another. They are split so
 # that both take about as long (measured one at a time, in seconds: reward_curves_real 164,
-# table2_throughput 133, engine_throughput 70, soak 70, scaling 60, async_speedup 58, equivalence 56,
+# table2_throughput 133, engine_throughput 70, soak 70, async_speedup 58, equivalence 56, scaling 54,
 # shared_async 51, reward_curves 43, fig1_timeline 43, shared_prompt_ablation 23, warm_start 19,
 # trimodel_cost 18). The second lane takes the rest in EXPERIMENTS' order, warm_start first: its
 # model (artifacts/sft-quick) is what equivalence and fig1_timeline load. In a smoke run only

@@ -241,10 +241,11 @@ def hf_directory(name: str, tokenizer_dir: str, root: Path) -> str:
     return str(out.resolve())
 
 
-def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib, push: bool,
-            sync: bool) -> tuple[list[dict], dict | None, dict | None]:
-    """The six systems of one (model, workers) interleaved: rows for engine.csv; with `push`, the
-    vLLM push row; with `sync`, the built-in engine's weight-sync row (on the engine just measured)."""
+def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib, measure_push: bool,
+            measure_sync: bool) -> tuple[list[dict], dict | None, dict | None]:
+    """The six systems of one (model, workers) interleaved: rows for engine.csv; with `measure_push`,
+    the vLLM push row; with `measure_sync`, the built-in engine's weight-sync row (on the engine
+    just measured)."""
     from periodic_async.data.tokenizer import load_tokenizer
     from periodic_async.engine.ray_engine import RayEngine
 
@@ -266,8 +267,8 @@ def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib, 
             systems += [System(f"{e}/{d}", lambda reqs=reqs, e=e: {"tok_s": engine_throughput(engines[e], reqs)},
                                {**common, "system": e, "engine": vars(cfgs[e])}) for e in ("builtin", "vllm")]
         res = measure(systems, repeats=repeats)
-        push = vllm_push(engines["vllm"], model_cfg, repeats=repeats) if push else None
-        sync = sync_row(engines["builtin"], model_cfg, label, repeats=3) if sync else None
+        push = vllm_push(engines["vllm"], model_cfg, repeats=repeats) if measure_push else None
+        sync = sync_row(engines["builtin"], model_cfg, label, repeats=3) if measure_sync else None
     finally:
         if hf is not None:
             hf.close()
@@ -329,7 +330,7 @@ def main() -> None:
         model_cfg = ModelConfig(name_or_path=path, device="cpu")
         r, push, sync = compare(model_cfg, label, workers, workload, repeats,
                                 max_num_seqs=32 if workload is tiny_workload else 16, kv_gib=1.0,
-                                push=label not in pushed, sync=args.quick)  # each model's push: on its first pass
+                                measure_push=label not in pushed, measure_sync=args.quick)  # each model's push: on its first pass
         pushed.add(label)
         rows += r
         if push:
