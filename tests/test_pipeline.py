@@ -253,8 +253,10 @@ def test_devices_count_trainer_ranks_and_engine_workers_in_use(tokenizer_dir, tm
     assert devices_in_use(halves, 1, 0) == 2 * 0.5 + 1
 
     rows = [{"tokens/trained": 100, "time/iteration_s": t, "throughput/devices": d, "time/generate_s": 0.5,
-             "time/train_s": 0.5, "reward/mean": 0.0, "accuracy": 0.0} for t, d in ((1.0, 7), (1.0, 9), (2.0, 5))]
+             "time/train_s": 0.5, "time/sync_s": 0.1, "time/after_generation_s": t - 0.6, "reward/mean": 0.0,
+             "accuracy": 0.0} for t, d in ((1.0, 7), (1.0, 9), (2.0, 5))]
     summary = _summary(separated, rows)  # the first iteration is left out (start-up)
+    assert summary["mean_after_generation_s"] == pytest.approx(0.9) and summary["mean_first_group_s"] == 0.0
     assert summary["devices"] == pytest.approx((9 * 1.0 + 5 * 2.0) / 3.0)
     assert summary["tokens_per_s_per_device"] == pytest.approx(200 / (9 * 1.0 + 5 * 2.0))
     assert _summary(separated, rows[:2])["devices"] == 9

@@ -44,6 +44,25 @@ def _check(cond: bool, section: str, name: str, value: Any, why: str) -> None:
         raise ConfigError(f"{section}.{name}={value!r}: {why}")
 
 
+def parse_cores(value: str, where: str) -> list[int] | None:
+    """'auto' and 'off' -> None; "1", "0-3", "0,2", "[0, 2]" -> the sorted cores. ConfigError
+    (one line naming `where`) for anything else."""
+    text = str(value).strip().strip("[]").replace(" ", "")
+    if text in ("auto", "off"):
+        return None
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last < first:
+                raise ValueError
+            cores.update(range(first, last + 1))
+    except ValueError:
+        raise ConfigError(f"{where}={value!r}: expected auto, off or cores like 1, 0-3 or 0,2") from None
+    return sorted(cores)
+
+
 @dataclass
 class ModelConfig:
     name_or_path: str = "qwen2-1m"
@@ -194,6 +213,11 @@ class EngineConfig:
     """Inference workers (Ray actors / vLLM engines)."""
     threads_per_worker: int = 1
     """torch CPU threads per worker (CPU only)."""
+    cpu_affinity: str = "auto"
+    """CPU cores of the engine workers on this machine: 'auto', 'off', or cores ("0", "0-3",
+    "0,2"), worker i taking slice i (threads_per_worker cores each). 'auto': the first cores of
+    this process's, one slice per worker, for Ray workers started here on CPU when there are
+    enough (parallel/affinity.py); else left to the OS."""
     max_num_seqs: int = 32
     """Sequences decoded together per worker (continuous-batching slots)."""
     max_tokens: int = 64
@@ -281,6 +305,7 @@ class EngineConfig:
                "must be > 0")
         _check(self.num_workers >= 1, "engine", "num_workers", self.num_workers, "must be >= 1")
         _check(self.threads_per_worker >= 1, "engine", "threads_per_worker", self.threads_per_worker, "must be >= 1")
+        parse_cores(self.cpu_affinity, "engine.cpu_affinity")
         _check(self.max_num_seqs >= 1, "engine", "max_num_seqs", self.max_num_seqs, "must be >= 1")
         _check(self.max_tokens >= 1, "engine", "max_tokens", self.max_tokens, "must be >= 1")
         _check(self.temperature >= 0, "engine", "temperature", self.temperature, "must be >= 0")
@@ -398,6 +423,12 @@ class TrainerConfig:
     separate engine workers (engine.num_workers x engine.threads_per_worker), at most the
     machine's cores; `threads` where no cores are freed (sync-colocated, engine.backend=local,
     an accelerator, trainer ranks under torchrun). 0 keeps `threads`; N takes N."""
+    cpu_affinity: str = "auto"
+    """CPU cores of the trainer's compute threads: 'auto', 'off', or cores ("1", "2-3"). 'auto': in
+    the separated modes, on CPU, the `threads` cores after the engine workers' (when those are
+    pinned and the cores are there); else left to the OS. The producer thread then runs on the
+    other cores, and the trainer adds the engines' cores while it holds
+    threads_after_generation (parallel/affinity.py)."""
     output_dir: str = "runs/default"
     """Where the run writes config, metrics, trace and checkpoints."""
     save_every: int = 0
@@ -420,6 +451,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check(self.iterations >= 0, "trainer", "iterations", self.iterations, "must be >= 0")
         _check(self.threads >= 1, "trainer", "threads", self.threads, "must be >= 1")
+        parse_cores(self.cpu_affinity, "trainer.cpu_affinity")
         _check(self.threads_after_generation == "auto" or (isinstance(self.threads_after_generation, int)
                                                              and self.threads_after_generation >= 0),
                "trainer", "threads_after_generation", self.threads_after_generation, "expected 'auto' or an int >= 0")
@@ -692,3 +724,10 @@ def save_run_info(cfg: Any, out_dir: str | Path) -> Path:
     (out / "config.yaml").write_text(yaml.safe_dump(redact_secrets(dataclasses.asdict(cfg)), sort_keys=False))
     (out / "run_info.json").write_text(json.dumps(redact_secrets({"git_commit": git_commit()}), indent=2))
     return out
+
+
+def update_run_info(out_dir: str | Path, **fields: Any) -> None:
+    """Add `fields` to `run_info.json` in `out_dir` (written by `save_run_info`)."""
+    path = Path(out_dir) / "run_info.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(redact_secrets({**info, **fields}), indent=2))

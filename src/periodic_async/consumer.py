@@ -31,6 +31,7 @@ from periodic_async import grpo, interrupt
 from periodic_async.batching import MicroBatcher
 from periodic_async.batching import split_groups
 from periodic_async.config import RunConfig
+from periodic_async.parallel.affinity import Pinned
 from periodic_async.parallel.distributed import Ranks
 from periodic_async.group import Group
 from periodic_async.model import resolve_device, resolve_dtype
@@ -43,20 +44,26 @@ class StaleGroupError(RuntimeError):
 
 
 class _Threads:
-    """The trainer's torch threads: `base`, raised to `after_generation` once `idle` is set."""
+    """The trainer's torch threads: `base`, raised to `after_generation` once `idle` is set (on
+    the trainer's cores and the engines' when the process is pinned: `pinned`)."""
 
-    def __init__(self, base: int, after_generation: int, idle: threading.Event | None) -> None:
-        self.base, self.after, self.idle = base, after_generation, idle
+    def __init__(self, base: int, after_generation: int, idle: threading.Event | None,
+                 pinned: Pinned | None = None) -> None:
+        self.base, self.after, self.idle, self.pinned = base, after_generation, idle, pinned
         self.raised_at: float | None = None
 
     def update(self) -> None:
         if self.raised_at is None and self.after > self.base and self.idle is not None and self.idle.is_set():
+            if self.pinned is not None:
+                self.pinned.widen()
             torch.set_num_threads(self.after)
             self.raised_at = time.time()
 
     def reset(self) -> None:
         if self.raised_at is not None:
             torch.set_num_threads(self.base)
+            if self.pinned is not None:
+                self.pinned.narrow()
 
 
 def threads_after_generation(cfg: RunConfig, distributed: bool = False) -> int:
@@ -76,8 +83,8 @@ class Consumer:
     """Owns the policy, its tri-model and optimizer. `train_iteration` is one iteration."""
 
     def __init__(self, policy: torch.nn.Module, cfg: RunConfig, tracer: Tracer | None = None,
-                 ranks: Ranks | None = None) -> None:
-        self.policy, self.cfg = policy, cfg
+                 ranks: Ranks | None = None, pinned: Pinned | None = None) -> None:
+        self.policy, self.cfg, self.pinned = policy, cfg, pinned
         self.ranks = ranks or Ranks()
         a = cfg.algorithm
         if self.ranks.distributed and a.optimizer_steps_per_iteration != 1:
@@ -118,7 +125,7 @@ class Consumer:
         barrier. (On GPUs the engines' devices cannot join a running trainer this way.)"""
         a = self.cfg.algorithm
         threads = _Threads(self.cfg.trainer.threads, threads_after_generation(self.cfg, self.ranks.distributed),
-                           engines_idle)
+                           engines_idle, self.pinned)
         per_step = a.prompts_per_iteration // a.optimizer_steps_per_iteration
         batcher = MicroBatcher.from_config(a)
         acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)

@@ -49,7 +49,7 @@ from typing import Iterable, Iterator
 import torch
 
 from periodic_async import checkpoint
-from periodic_async.config import RunConfig, save_run_info
+from periodic_async.config import RunConfig, save_run_info, update_run_info
 from periodic_async.consumer import Consumer
 from periodic_async.data import few_shot_examples, fit_to_context, load_examples
 from periodic_async.engine import Engine, make_engine
@@ -57,6 +57,7 @@ from periodic_async.engine.verify import PushCheck
 from periodic_async.group import Group
 from periodic_async.model import load_policy, resolve_device
 from periodic_async.modes import make_mode
+from periodic_async.parallel import affinity
 from periodic_async.parallel.distributed import Ranks, init_ranks
 from periodic_async.producer import Producer
 from periodic_async.reward import make_reward
@@ -151,6 +152,7 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     they claim and join rank 0's collectives at the same points of the loop (`_Follower`), and
     return {"rank", "first_iteration", "groups_trained"}."""
     ranks = init_ranks(cfg)  # trainer ranks under torchrun; one process otherwise
+    pinned = affinity.Pinned(affinity.plan(cfg, ranks.distributed))  # the trainer's and producer's cores (checked here)
     out = Path(cfg.trainer.output_dir)
     if ranks.is_main:
         save_run_info(cfg, out)
@@ -159,7 +161,7 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     policy, tokenizer = load_policy(cfg.model)
     data = _load_data(cfg, policy, tokenizer) if ranks.is_main else None  # rank 0 alone samples
     tracer = Tracer(enabled=cfg.logging.trace, path=out / "trace.jsonl") if ranks.is_main else Tracer(enabled=False)
-    consumer = Consumer(policy, cfg, tracer, ranks=ranks)  # tri-model's ref = the initial weights
+    consumer = Consumer(policy, cfg, tracer, ranks=ranks, pinned=pinned)  # tri-model's ref = the initial weights
     ckpt = checkpoint.resume(cfg, consumer)  # trainer ranks: every rank loads rank 0's checkpoint
     if ranks.is_main and ckpt is not None:
         print(f"[train] resumed from {ckpt} at iteration {consumer.version}")
@@ -178,8 +180,11 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
             started.callback(tracer.write, out)
             if engine is None:
                 engine = started.enter_context(build_engine(cfg))
+        started.enter_context(pinned)  # after the engine: Ray's threads in this process are sorted too
+        if ranks.is_main:
+            update_run_info(out, cpu_affinity=pinned.report(engine))
             push_check = PushCheck.from_config(cfg.engine, cfg.model, policy, copy=ranks.lockstep)  # engine.verify_push
-            side = _Generation(cfg, engine, tokenizer, data, tracer, ranks, started, push_check)
+            side = _Generation(cfg, engine, tokenizer, data, tracer, ranks, started, push_check, pinned.plan.producer)
         else:
             side = _Follower(ranks)
         try:
@@ -234,11 +239,13 @@ class _Generation:
     for its groups and stops when the weight sync of the barrier ends."""
 
     def __init__(self, cfg: RunConfig, engine: Engine, tokenizer, data, tracer: Tracer, ranks: Ranks,
-                 started: contextlib.ExitStack, push_check: PushCheck | None = None) -> None:
+                 started: contextlib.ExitStack, push_check: PushCheck | None = None,
+                 producer_cores: list[int] | None = None) -> None:
         examples, self.evals, shots, reward_fn = data
         self.cfg, self.engine, self.tracer, self.ranks = cfg, engine, tracer, ranks
         self.push_check = push_check
-        self.producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=self.evals)
+        self.producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=self.evals,
+                                 cores=producer_cores)
         started.callback(self.producer.close)
         out = Path(cfg.trainer.output_dir)
         logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
@@ -411,6 +418,11 @@ def _summary(cfg: RunConfig, history: list[dict]) -> dict:
         "mean_generate_s": statistics.fmean(h["time/generate_s"] for h in steady),
         "mean_train_s": statistics.fmean(h["time/train_s"] for h in steady),
         "mean_iteration_s": statistics.fmean(h["time/iteration_s"] for h in steady),
+        # where an iteration goes beyond its phases: the barrier's push (+ check), the trainer's
+        # wait for the first group (the head) and its work left once generation ends (the tail)
+        "mean_sync_s": statistics.fmean(h["time/sync_s"] for h in steady),
+        "mean_first_group_s": statistics.fmean(h.get("time/first_group_s", 0.0) for h in steady),
+        "mean_after_generation_s": statistics.fmean(h["time/after_generation_s"] for h in steady),
         "reward_first": history[0]["reward/mean"], "reward_last": history[-1]["reward/mean"],
         "accuracy_first": history[0]["accuracy"], "accuracy_last": history[-1]["accuracy"],
     }

@@ -38,6 +38,7 @@ from typing import Callable, Iterator, Sequence
 
 from periodic_async import grpo
 from periodic_async.config import RunConfig
+from periodic_async.parallel.affinity import pin_thread
 from periodic_async.data import Example, iteration_prompts, prompt_messages, reward_kwargs
 from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
 from periodic_async.group import Group
@@ -71,8 +72,10 @@ class Producer:
     def __init__(self, engine: Engine, tokenizer, examples: Sequence[Example], shots: Sequence[Example],
                  reward_fn: Callable[..., list[float]], cfg: RunConfig, tracer: Tracer | None = None,
                  eval_examples: Sequence[Example] = (),
-                 accuracy_fn: Callable[..., list[float]] | None = None) -> None:
+                 accuracy_fn: Callable[..., list[float]] | None = None, cores: list[int] | None = None) -> None:
         self.engine, self.tokenizer, self.examples = engine, tokenizer, examples
+        self.cores = cores
+        """The cores of the producer's thread (parallel/affinity.py: off the trainer's); None: any."""
         self.accuracy_fn = make_accuracy(cfg.reward) if accuracy_fn is None else accuracy_fn
         self.eval_examples = list(eval_examples)
         self.eval_results: dict[int, dict] = {}
@@ -134,6 +137,7 @@ class Producer:
 
     def _run(self, iteration: int) -> None:
         try:
+            pin_thread(self.cores)  # receiving, scoring and the reward's worker process: off the trainer's cores
             cfg = self.cfg
             batch = iteration_prompts(self.examples, iteration, cfg.algorithm.prompts_per_iteration, cfg.data.seed)
             version = self.engine.version

@@ -70,6 +70,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from periodic_async.engine.base import (Engine, EngineError, Request, RequestOutput, WeightSync, assign_workers,
                                         numpy_to_state, state_to_numpy)
+from periodic_async.parallel.affinity import available_cores, engine_cores, pin_process
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,8 @@ class EngineWorker:
     tail of an aborted one, and `abort` names the call it stops so it cannot hit a later one."""
 
     def __init__(self, model_cfg, max_num_seqs: int, worker: int, threads: int, backend: str = "batcher",
-                 gpus: float = 0.0, kv_cache_gib: float = 1.0):
+                 gpus: float = 0.0, kv_cache_gib: float = 1.0, cores: list[int] | None = None):
+        pin_process(cores)  # engine.cpu_affinity (parallel/affinity.py): before any compute thread starts
         torch.set_num_threads(threads)
         self.batcher = make_batcher(backend, model_cfg, max_num_seqs, worker, gpus, kv_cache_gib)
         self.sync = ObjectStoreSync()
@@ -161,8 +163,10 @@ class EngineWorker:
         self._aborted = -1
 
     def info(self) -> dict:
-        """pid, version, threads, device, and the Ray node the worker runs on (node_id, node_ip)."""
+        """pid, version, threads, device, the cores it may run on (cpu_affinity), and the Ray node
+        it runs on (node_id, node_ip)."""
         return dict(pid=os.getpid(), version=self.batcher.version, threads=torch.get_num_threads(),
+                    cpu_affinity=available_cores(),
                     device=str(self.batcher.device), node_id=ray.get_runtime_context().get_node_id(),
                     node_ip=ray.util.get_node_ip_address())
 
@@ -242,6 +246,8 @@ class RayEngine(Engine):
             gpus = 1 if model_cfg.device.startswith("cuda") or (
                 model_cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
         self.gpus = float(gpus)
+        self.cores = engine_cores(engine_cfg, on_cpu=not gpus)
+        """Each worker's cores (engine.cpu_affinity), by index; None: left to the OS."""
         threads = engine_cfg.threads_per_worker
         self._actor = ray.remote(EngineWorker)
         env = {**_offline_env(), "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -332,7 +338,7 @@ class RayEngine(Engine):
                        memory=bundle.get("memory"))
         new = {w: self._actor.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(groups[w], 0))
                .remote(self._model_cfg, self.cfg.max_num_seqs, w, threads, self.cfg.worker_backend, self.gpus,
-                       self.cfg.vllm_kv_cache_gib)
+                       self.cfg.vllm_kv_cache_gib, self.cores[w] if self.cores and w < len(self.cores) else None)
                for w in indices}
         for w in indices:
             if w < len(self.workers):
