@@ -21,8 +21,13 @@ the periodic-async runs instead (what the two phases cost when they run side by 
 Writes <results>/async_speedup.csv (mode,tokens_per_s,tokens_per_s_min,tokens_per_s_max,
 speedup_vs_sync_separated,speedup_min,speedup_max,bound,efficiency,efficiency_min,
 efficiency_max,bound_overlapped,speedup_vs_sync_colocated,repeats,devices,git_commit,
-config_hash,settings), <results>/async_speedup_phases.csv, figures/timeline.png (the paper's
-Figure 1 from the last round's runs; traces kept in <results>/timeline/), figures/async_speedup.png.
+config_hash,settings), <results>/async_speedup_phases.csv (per mode, medians over the rounds:
+mean_generate_s, mean_train_s, mean_iteration_s, mean_sync_s (the barrier's push and check),
+mean_first_group_s (the trainer's wait for the first group), mean_after_generation_s (its work
+left when generation ends), mean_train_thread_cpu_s (the trainer thread's CPU seconds in its
+busy time)), figures/timeline.png (the paper's Figure 1 from the last round's runs; traces kept
+in <results>/timeline/), figures/async_speedup.png; with a tag, each name carries it
+(async_speedup_real.csv, timeline_real/, ...).
 """
 
 from __future__ import annotations
@@ -130,7 +135,8 @@ def main(argv=None) -> list[dict]:
     phases = [{"mode": m, **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s",
                                                                       "mean_iteration_s", "mean_sync_s",
                                                                       "mean_first_group_s",
-                                                                      "mean_after_generation_s")},
+                                                                      "mean_after_generation_s",
+                                                                      "mean_train_thread_cpu_s")},
                "tokens_per_s_per_device": round(r.stats("tokens_per_s_per_device").median, 1),
                "devices": r.runs[0]["devices"], "repeats": r.repeats, "git_commit": r.provenance()["git_commit"],
                "config_hash": r.config_hash} for m, r in res.items()]

@@ -24,7 +24,9 @@ setting cpu-tuned "$@"
 # separated modes are, each phase on its own core for the whole iteration (no hand-off of the
 # engine's core after generation), as on separate accelerators. Not in QUICK: the same code.
 # real-model: SmolLM2-135M-Instruct on a vLLM worker, the same deployment (about 25 minutes).
+# phase_contention: do the two phases slow each other as bare processes on two cores (about 4 minutes)?
 if [ "${QUICK:-0}" = 0 ]; then
   setting balanced "$@"
+  python experiments/phase_contention.py "${results[@]}"
   setting real-model "$@"
 fi

@@ -12,7 +12,9 @@ standard error sqrt(p(1-p)/n).
 
 Writes
   <results>/reward_curves.csv          one row per mode and iteration (= optimizer steps
-      done): reward_mean / accuracy of the batch of that step (none at iteration 0),
+      done): time_s (the run's wall-clock seconds when that step's iteration ended: the sum of
+      its iterations' times, start-up excluded), reward_mean / accuracy of the batch of that step
+      (none at iteration 0),
       eval_accuracy / eval_stderr / eval_n of the weights after it, mixed_frac (groups whose
       samples disagree: the learning signal), entropy, grad_norm, kl, and the staleness
       statistics clip_frac, ratio_mean, ratio_abs_dev (mean |ratio - 1|), behaviour_logp_gap
@@ -26,7 +28,7 @@ Writes
       three modes, each run pushing its own initial weights; cpu_s is this process, trainer +
       producer, Ray engine workers not counted), and
       git_commit (the run's, from its run_info.json)
-  <figures>/reward_curves.png
+  <figures>/reward_curves.png, <figures>/reward_curves_wallclock.png (the same against time_s)
 
 In exact arithmetic sync-separated and periodic-async are the same run; in fp32 they share
 every sampled token unless a summation-order difference flips one (tokens_identical_iterations).
@@ -46,7 +48,7 @@ import time
 from pathlib import Path
 
 from periodic_async.bench.analysis import identical_iterations, max_abs_diff, paired_gain_stderr
-from periodic_async.bench.plots import plot_reward_curves
+from periodic_async.bench.plots import plot_reward_curves, plot_reward_vs_time
 from periodic_async.bench.protocol import SharedEngines
 from periodic_async.config import RunConfig, load_config
 from periodic_async.model import PRESETS
@@ -73,10 +75,11 @@ def curve_rows(mode: str, out: Path) -> list[dict]:
     mixed: dict[int, list[bool]] = {}
     for g in read_jsonl(out / "rollouts.jsonl"):
         mixed.setdefault(g["iteration"] + 1, []).append(0 < sum(g["correct"]) < len(g["correct"]))
-    rows = []
+    rows, clock = [], 0.0
     for step in range(0, max([*metrics, *evals, 0]) + 1):
         m, e = metrics.get(step, {}), evals.get(step, {})
-        row = {"mode": mode, "iteration": step, "reward_mean": _r(m.get("reward/mean")),
+        clock += m.get("time/iteration_s", 0.0)
+        row = {"mode": mode, "iteration": step, "time_s": round(clock, 2), "reward_mean": _r(m.get("reward/mean")),
                "accuracy": _r(m.get("accuracy")), "eval_accuracy": _r(e.get("accuracy")),
                "eval_stderr": _r(e.get("stderr")), "eval_n": e.get("n", ""),
                "mixed_frac": _r(sum(mixed[step]) / len(mixed[step])) if step in mixed else ""}
@@ -94,6 +97,7 @@ def main(argv=None) -> None:
     ap.add_argument("--config", default=str(HERE / "reward_curves.yaml"),
                     help="the experiment (e.g. experiments/reward_curves_real.yaml)")
     ap.add_argument("--tag", default="", help="suffix of the outputs: reward_curves_<tag>.csv, ...")
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES, help="the modes to run, in this order")
     ap.add_argument("overrides", nargs="*", help="section.key=value, applied to every mode")
     args = ap.parse_intermixed_args(argv)
     extra = (QUICK if args.quick else []) + list(args.overrides)
@@ -106,7 +110,7 @@ def main(argv=None) -> None:
     rows, summary, outs = {}, [], {}
     engines = SharedEngines()  # started once; each mode's run pushes its own initial weights
     try:
-        for mode in MODES:
+        for mode in args.modes:
             cfg = load_config(RunConfig, config,
                               extra + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{mode}"])
             engine = engines.get(cfg)
@@ -154,6 +158,7 @@ def main(argv=None) -> None:
             w.writerows(table)
         print(f"wrote {res / file}")
     print(f"wrote {plot_reward_curves(res / f'{name}.csv', Path(args.figures) / f'{name}.png')}")
+    print(f"wrote {plot_reward_vs_time(res / f'{name}.csv', Path(args.figures) / f'{name}_wallclock.png')}")
     for s in summary:
         print(s)
 

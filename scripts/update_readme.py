@@ -38,6 +38,43 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
                        ["mode", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_sync_separated",
                         "speedup_min", "speedup_max", "bound", "efficiency", "efficiency_min", "efficiency_max",
                         "bound_overlapped", "speedup_vs_sync_colocated", "repeats"]),
+    "phase_contention": ("phase_contention.csv", "experiments/async_speedup.sh",
+                         "The two phases as bare processes on two cores (experiments/phase_contention.py): a trainer "
+                         "loop and an engine loop, each alone on its core, both at once pinned apart, both at once "
+                         "left to the OS, and the trainer sleeping 20 ms before each step (as the periodic-async "
+                         "consumer waits for each group); `vs_alone` = rate / rate alone, `step_cpu_ms` the "
+                         "trainer's CPU time per step.",
+                         ["model", "case", "process", "rate", "rate_min", "rate_max", "vs_alone", "step_cpu_ms", "repeats",
+                          "cpu"]),
+    "async_real": ("async_speedup_real.csv", "experiments/async_speedup.sh --settings real-model",
+                   "Asynchrony alone on SmolLM2-135M-Instruct (one vLLM engine worker on one core, the trainer on "
+                   "the other, each for the whole iteration; paper: 1.92x, bound 2x). Medians of interleaved rounds, "
+                   "min-max.",
+                   ["mode", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_sync_separated",
+                    "speedup_min", "speedup_max", "bound", "efficiency", "efficiency_min", "efficiency_max",
+                    "bound_overlapped", "speedup_vs_sync_colocated", "repeats", "git_commit"]),
+    "async_real_phases": ("async_speedup_real_phases.csv", "experiments/async_speedup.sh --settings real-model",
+                          "Where each mode's iteration goes (seconds, medians over the rounds): generation, the "
+                          "trainer's busy time, the barrier's push and check (`mean_sync_s`), the trainer's wait for "
+                          "the first group (`mean_first_group_s`) and its work left when generation ends "
+                          "(`mean_after_generation_s`).",
+                          ["mode", "mean_generate_s", "mean_train_s", "mean_iteration_s", "mean_sync_s",
+                           "mean_first_group_s", "mean_after_generation_s", "repeats"]),
+    "reward_curves_real_time": ("reward_curves_real_time_summary.csv", "experiments/reward_curves_real.sh",
+                                "SmolLM2-135M-Instruct, sync-separated and periodic-async from one seed, in the "
+                                "deployment where asynchrony pays (experiments/async_speedup_real.yaml: one core per "
+                                "phase); `wall_s`: each run, start-up excluded, held-out evaluations included "
+                                "(figures/reward_curves_real_time_wallclock.png).",
+                                ["mode", "eval_accuracy_start", "eval_accuracy_end", "eval_stderr", "eval_n", "gain",
+                                 "max_abs_diff_vs_sync", "tokens_identical_iterations", "tokens_per_s", "wall_s",
+                                 "git_commit"]),
+    "async_real_prediction": ("async_real_prediction.csv", "experiments/reward_curves_real.sh",
+                              "**Simulated** (kind=simulated: a prediction, not a measurement): the simulator "
+                              "calibrated on the sync-separated run above (phases alone), replaying its iterations' "
+                              "response lengths with N engine workers beside the same one-core trainer; the "
+                              "`measured` rows are the two runs themselves, `rel_error` the simulator's error on each.",
+                              ["kind", "mode", "engines", "iteration_s", "generate_s", "train_busy_s",
+                               "tokens_per_s", "speedup_vs_sync_separated", "speedup_vs_1_engine", "rel_error"]),
     "shared_async": ("shared_async.csv", "experiments/shared_async.sh",
                      "Shared-prompt attention x asynchrony on 4-shot prompts; speedups against per-response "
                      "sync-separated; `product` = shared-only x async-only (paper: ~8x and ~2x, multiplicative).",
@@ -198,8 +235,18 @@ def _second_seed(rows):
             f"{100 * float(sync['gain_stderr_paired']):.1f} points), largest gap to sync {gaps}")
 
 
+def _reward_time(rows):
+    r = {x["mode"]: x for x in rows}
+    sync, pa = r["sync-separated"], r["periodic-async"]
+    return (f"; with one core per phase (`results/reward_curves_real_time_summary.csv`, "
+            f"{pa['tokens_identical_iterations']} iterations with the same tokens): periodic-async reached "
+            f"{float(pa['eval_accuracy_end']):.3f} in {float(pa['wall_s']) / 60:.1f} min, sync-separated "
+            f"{float(sync['eval_accuracy_end']):.3f} in {float(sync['wall_s']) / 60:.1f} min")
+
+
 ALSO_REPORTED = {"reward_curves_summary.csv": ("reward_curves_seed1/reward_curves_summary.csv", _second_seed),
-               "async_speedup_balanced.csv": ("async_speedup.csv", _async_cpu_best)}
+                 "async_speedup_balanced.csv": ("async_speedup.csv", _async_cpu_best),
+                 "reward_curves_real_summary.csv": ("reward_curves_real_time_summary.csv", _reward_time)}
 """Claims whose value also reports another run (a second seed, another workload): main csv ->
 (that run's csv, its summary)."""
 
@@ -271,6 +318,8 @@ CLAIMS = [  # (claim, paper value, results CSV, ours(rows) -> str, command)
      "table2_throughput.csv", _table2, "bash experiments/table2_throughput.sh"),
     ("Asynchrony alone, against the bound (T_gen + T_train) / max(T_gen, T_train)", "1.92x on an 8B model, bound 2x",
      "async_speedup_balanced.csv", _async_balanced, "bash experiments/async_speedup.sh"),
+    ("Asynchrony alone on a pretrained model (SmolLM2-135M-Instruct, vLLM)", "1.92x on an 8B model, bound 2x",
+     "async_speedup_real.csv", _async, "bash experiments/async_speedup.sh --settings real-model"),
     ("Shared-prompt attention alone (long prompts)", "about 8x", "shared_prompt.csv", _shared,
      "bash experiments/shared_prompt_ablation.sh"),
     ("Shared prompts and asynchrony combine", "~8x and ~2x, multiplicative", "shared_async.csv", _shared_async,
@@ -531,26 +580,33 @@ def soak_story(results: Path) -> str:
             + f"; the trace on disk grows to {max(float(r['trace_mib'] or 0) for r in samples):.2f} MiB.")
 
 
-def async_balanced_story(results: Path) -> str:
-    """The reading of the balanced asynchrony run (async_speedup_balanced.csv and its _phases.csv):
-    the phases alone and overlapped, the bound each gives, and where the gap to the bound goes."""
-    rows, phases = _rows(results, "async_speedup_balanced.csv"), _rows(results, "async_speedup_balanced_phases.csv")
+def async_story(results: Path, tag: str = "balanced") -> str:
+    """The reading of an asynchrony run (async_speedup_<tag>.csv and its _phases.csv): the phases
+    alone and overlapped, the bound each gives, and where the gap to the bound goes (the head,
+    the tail and the barrier when the phases CSV has them)."""
+    rows, phases = _rows(results, f"async_speedup_{tag}.csv"), _rows(results, f"async_speedup_{tag}_phases.csv")
     if not rows or not phases:
         return "_not run yet: `bash experiments/async_speedup.sh`_"
     r, ph = {x["mode"]: x for x in rows}, {x["mode"]: x for x in phases}
-    pa, sep, col = r["periodic-async"], ph["sync-separated"], r["sync-colocated"]
+    pa, sep, col, ov = r["periodic-async"], ph["sync-separated"], r["sync-colocated"], ph["periodic-async"]
     speedup, bound, overlapped = float(pa["speedup_vs_sync_separated"]), float(pa["bound"]), float(pa["bound_overlapped"])
     contention = bound - overlapped > overlapped - speedup
+    slower = {k: float(ov[k]) / float(sep[k]) - 1 for k in ("mean_generate_s", "mean_train_s")}
     text = (f"Alone (in sync-separated) the two phases take {float(sep['mean_generate_s']):.2f} s and "
             f"{float(sep['mean_train_s']):.2f} s an iteration with one core each, a bound of {_x(bound)}; "
             f"periodic-async reaches {_x(speedup)} ({float(pa['efficiency']):.2f} of the bound), an iteration of "
-            f"{float(ph['periodic-async']['mean_iteration_s']):.2f} s against {float(sep['mean_iteration_s']):.2f} s. "
-            f"Inside the periodic-async runs generation takes {float(ph['periodic-async']['mean_generate_s']):.2f} s "
-            f"and training {float(ph['periodic-async']['mean_train_s']):.2f} s an iteration, a bound of "
+            f"{float(ov['mean_iteration_s']):.2f} s against {float(sep['mean_iteration_s']):.2f} s. "
+            f"Inside the periodic-async runs generation takes {float(ov['mean_generate_s']):.2f} s "
+            f"and training {float(ov['mean_train_s']):.2f} s an iteration ({100 * slower['mean_generate_s']:+.0f}% and "
+            f"{100 * slower['mean_train_s']:+.0f}% against alone), a bound of "
             f"{_x(overlapped)} over the overlapped phases (`bound_overlapped`), of which it reaches "
             f"{speedup / overlapped:.2f}. ")
-    text += ("Most of what it misses is the two phases slowing each other when they run at once (shared caches and "
-             "memory bandwidth, which depend on the machine; on accelerators each phase has its own memory); the "
+    if ov.get("mean_after_generation_s"):
+        text += (f"Its iteration is generation, then {float(ov['mean_after_generation_s']):.2f} s of training left "
+                 f"when generation ends (the tail), then {float(ov['mean_sync_s']):.2f} s at the barrier (the push "
+                 f"and its check; {float(sep['mean_sync_s']):.2f} s in sync-separated); the trainer waited "
+                 f"{float(ov['mean_first_group_s']):.2f} s for the first group (the head). ")
+    text += ("Most of what it misses is the two phases slowing each other when they run at once; the "
              if contention else "The phases barely slow each other when they run at once; most of what it misses is the ")
     text += ("rest is " if contention else "") + ("the tail after generation ends (the last groups' micro-steps), the "
                                                    "wait for the first group and the barrier. ")
@@ -605,7 +661,8 @@ def main() -> None:
         path = results / file
         tables[name] = (f"{caption} `{path}`, written by `bash {script}`:\n\n{table(path, *columns)}"
                         if path.is_file() else f"_`{path}` not produced yet: run `bash {script}`._")
-    tables["async_balanced_story"] = async_balanced_story(results)
+    tables["async_balanced_story"] = async_story(results, "balanced")
+    tables["async_real_story"] = async_story(results, "real")
     tables["reward_story"] = reward_story(results)
     tables["reward_story_real"] = reward_story(results, "_real", window=5)
     tables["reward_story_seed1"] = reward_story(results / "reward_curves_seed1")

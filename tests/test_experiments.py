@@ -67,6 +67,25 @@ def test_async_speedup_real_model_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_reward_against_time_and_the_prediction_from_its_runs(tmp_path, tokenizer_dir):
+    """reward_curves.py --modes: each row carries the run's clock (time_s, rising), the wall-clock
+    figure is drawn; real_model_prediction.py calibrates on those runs and labels its rows."""
+    _run("reward_curves", "--quick", "--modes", "sync-separated", "periodic-async", "--figures", str(tmp_path),
+         *_common(tmp_path, tokenizer_dir), "--tag", "t")
+    rows = _rows(tmp_path / "reward_curves_t.csv")
+    assert {r["mode"] for r in rows} == {"sync-separated", "periodic-async"}
+    clock = [float(r["time_s"]) for r in rows if r["mode"] == "periodic-async"]
+    assert clock[0] == 0.0 and all(b > a for a, b in zip(clock, clock[1:]))
+    assert (tmp_path / "reward_curves_t_wallclock.png").stat().st_size > 10_000
+    _run("real_model_prediction", "--runs", str(tmp_path / "runs" / "reward_curves_t"), "--results", str(tmp_path),
+         "--engines", "1", "2")
+    pred = _rows(tmp_path / "async_real_prediction.csv")
+    assert [(r["kind"], r["engines"]) for r in pred if r["mode"] == "periodic-async"] == [
+        ("measured", "1"), ("simulated", "1"), ("simulated", "2")]
+    assert all(r["git_commit"] for r in pred)
+
+
+@pytest.mark.slow
 def test_shared_async_quick(tmp_path, tokenizer_dir):
     _run("shared_async", "--quick", *_common(tmp_path, tokenizer_dir))
     rows = _rows(tmp_path / "shared_async.csv")

@@ -129,7 +129,7 @@ class Consumer:
         per_step = a.prompts_per_iteration // a.optimizer_steps_per_iteration
         batcher = MicroBatcher.from_config(a)
         acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
-        busy_s, n_groups, steps, step_metrics = 0.0, 0, 0, []
+        busy_s, cpu_s, n_groups, steps, step_metrics = 0.0, 0.0, 0, 0, []
         self._micro_losses = []
         first_group_at = None
         local_steps = not self.ranks.distributed  # ranks: one step, once every rank's stream has ended
@@ -142,7 +142,7 @@ class Consumer:
             n_groups += 1
             if n_groups > a.prompts_per_iteration:
                 raise RuntimeError(f"iteration {iteration}: more than {a.prompts_per_iteration} groups")
-            t0 = time.time()
+            t0, c0 = time.time(), time.thread_time()
             threads.update()
             for mb in batcher.add(group):
                 self._micro_step(mb, acc, iteration)
@@ -154,8 +154,9 @@ class Consumer:
                 steps += 1
                 acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
             busy_s += time.time() - t0
+            cpu_s += time.thread_time() - c0
         if not local_steps:
-            t0 = time.time()
+            t0, c0 = time.time(), time.thread_time()
             for mb in batcher.flush():
                 self._micro_step(mb, acc, iteration)
             while self.ranks.lockstep and self.ranks.agree(False):  # another rank still has a micro-batch
@@ -165,12 +166,13 @@ class Consumer:
                 step_metrics.append(self._optimizer_step(acc, iteration, steps, True))
                 steps += 1
             busy_s += time.time() - t0
+            cpu_s += time.thread_time() - c0
         threads.reset()
         if n_groups != a.prompts_per_iteration:
             raise RuntimeError(f"iteration {iteration}: got {n_groups} groups, expected {a.prompts_per_iteration}")
         self.tri.refresh_old()
         m = {k: sum(s[k] for s in step_metrics) / len(step_metrics) for k in step_metrics[0]}
-        m.update(optimizer_steps=steps, train_busy_s=busy_s, first_group_at=first_group_at,
+        m.update(optimizer_steps=steps, train_busy_s=busy_s, thread_cpu_s=cpu_s, first_group_at=first_group_at,
                  threads_raised_at=threads.raised_at)
         return m
 

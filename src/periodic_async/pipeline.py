@@ -423,6 +423,9 @@ def _summary(cfg: RunConfig, history: list[dict]) -> dict:
         "mean_sync_s": statistics.fmean(h["time/sync_s"] for h in steady),
         "mean_first_group_s": statistics.fmean(h.get("time/first_group_s", 0.0) for h in steady),
         "mean_after_generation_s": statistics.fmean(h["time/after_generation_s"] for h in steady),
+        # the trainer thread's CPU seconds in its busy time: below mean_train_s when it waited
+        # (another thread on its core, the GIL), equal when it computed throughout
+        "mean_train_thread_cpu_s": statistics.fmean(h.get("train/thread_cpu_s", 0.0) for h in steady),
         "reward_first": history[0]["reward/mean"], "reward_last": history[-1]["reward/mean"],
         "accuracy_first": history[0]["accuracy"], "accuracy_last": history[-1]["accuracy"],
     }

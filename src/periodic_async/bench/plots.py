@@ -153,6 +153,40 @@ def plot_reward_curves(csv_path: str | Path, out_path: str | Path):
     return _save(fig, out_path)
 
 
+def plot_reward_vs_time(csv_path: str | Path, out_path: str | Path):
+    """results/reward_curves*.csv against wall-clock time (its time_s column): training reward
+    (left) and held-out accuracy with ±1 s.e. (right), one line per mode. On-policy modes that
+    sample the same tokens draw the same curve; the faster one reaches each point sooner."""
+    import csv
+
+    plt = _pyplot()
+    rows = list(csv.DictReader(Path(csv_path).open()))
+    styles = {"sync-separated": ("-", "#4C72B0"), "periodic-async": ("--", "#C44E52"),
+              "async-offpolicy": (":", "#55A868")}
+    num = lambda r, k: r.get(k) not in (None, "")  # noqa: E731
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for i, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
+        ls, color = styles.get(mode, ("-.", f"C{i}"))
+        mine = [r for r in rows if r["mode"] == mode and num(r, "time_s")]
+        end = max((float(r["time_s"]) for r in mine), default=0.0)
+        label = f"{mode} ({end / 60:.1f} min)"
+        tr = [(float(r["time_s"]) / 60, float(r["reward_mean"])) for r in mine if num(r, "reward_mean")]
+        if tr:
+            axes[0].plot(*zip(*tr), ls + "o", color=color, ms=3, lw=1.2, label=label)
+        ev = [r for r in mine if num(r, "eval_accuracy")]
+        if ev:
+            axes[1].errorbar([float(r["time_s"]) / 60 for r in ev], [float(r["eval_accuracy"]) for r in ev],
+                             yerr=[float(r["eval_stderr"]) if num(r, "eval_stderr") else 0 for r in ev],
+                             fmt=ls + "o", color=color, ms=4, capsize=3, lw=1.2, label=label)
+    n = next((r["eval_n"] for r in rows if num(r, "eval_n")), "?")
+    axes[0].set(xlabel="wall-clock time (min, start-up excluded)", ylabel="training reward (mean of B x G samples)")
+    axes[1].set(xlabel="wall-clock time (min, start-up excluded)", ylabel=f"held-out accuracy, greedy (n={n}, ±1 s.e.)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, out_path)
+
+
 def request_number(args: dict) -> str:
     """Bar label for `plot_timeline`: the request's position in its iteration, 1..B (the paper's
     Figure 1 numbering), from the request id `it<iteration>-p<prompt>-<position>`."""

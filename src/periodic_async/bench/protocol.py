@@ -125,6 +125,9 @@ class Result:
     settings: Any
     runs: list[dict] = field(default_factory=list)
     differing: dict[str, Any] = field(default_factory=dict)
+    git_commit: str = ""
+    """The tree the runs measured (read when `measure` starts: a commit made while a long
+    benchmark runs does not relabel it); empty: read when the row is written."""
 
     @property
     def repeats(self) -> int:
@@ -159,7 +162,7 @@ class Result:
 
     def provenance(self) -> dict[str, Any]:
         """The columns every CSV row ends with: git commit, config hash, differing settings."""
-        return {"git_commit": git_commit(), "config_hash": self.config_hash,
+        return {"git_commit": self.git_commit or git_commit(), "config_hash": self.config_hash,
                 "settings": format_settings(self.differing)}
 
 
@@ -170,7 +173,8 @@ def measure(systems: Sequence[System], repeats: int = 3, warmup_rounds: int = 0,
     by_name = {s.name: s for s in systems}
     order = schedule([s.name for s in systems], repeats, warmup_rounds)
     diff = differing_settings({s.name: s.settings for s in systems}, ignore_settings)
-    results = {s.name: Result(s.name, s.settings, differing=diff[s.name]) for s in systems}
+    commit = git_commit()
+    results = {s.name: Result(s.name, s.settings, differing=diff[s.name], git_commit=commit) for s in systems}
     for r, name in order:
         t = time.perf_counter()
         metrics = by_name[name].run()
