@@ -88,6 +88,14 @@ def curve_rows(mode: str, out: Path) -> list[dict]:
     return rows
 
 
+def _modes(text: str) -> list[str]:
+    modes = [m for m in text.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected modes from {', '.join(MODES)}, comma-separated")
+    return modes
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 iterations, 20 held-out problems")
@@ -97,7 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--config", default=str(HERE / "reward_curves.yaml"),
                     help="the experiment (e.g. experiments/reward_curves_real.yaml)")
     ap.add_argument("--tag", default="", help="suffix of the outputs: reward_curves_<tag>.csv, ...")
-    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES, help="the modes to run, in this order")
+    ap.add_argument("--modes", type=_modes, default=MODES, help="comma-separated modes to run, in this order")
     ap.add_argument("overrides", nargs="*", help="section.key=value, applied to every mode")
     args = ap.parse_intermixed_args(argv)
     extra = (QUICK if args.quick else []) + list(args.overrides)

@@ -70,7 +70,7 @@ def test_async_speedup_real_model_quick(tmp_path):
 def test_reward_against_time_and_the_prediction_from_its_runs(tmp_path, tokenizer_dir):
     """reward_curves.py --modes: each row carries the run's clock (time_s, rising), the wall-clock
     figure is drawn; real_model_prediction.py calibrates on those runs and labels its rows."""
-    _run("reward_curves", "--quick", "--modes", "sync-separated", "periodic-async", "--figures", str(tmp_path),
+    _run("reward_curves", "--quick", "--modes", "sync-separated,periodic-async", "--figures", str(tmp_path),
          *_common(tmp_path, tokenizer_dir), "--tag", "t")
     rows = _rows(tmp_path / "reward_curves_t.csv")
     assert {r["mode"] for r in rows} == {"sync-separated", "periodic-async"}

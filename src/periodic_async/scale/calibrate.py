@@ -95,6 +95,7 @@ def load_run(run_dir: str | Path, name: str | None = None, skip_first: bool = Tr
     workload = Workload(a["prompts_per_iteration"], a["group_size"], e["max_num_seqs"], a["micro_batch_tokens"],
                         a["micro_batch_groups"], a["shared_prompt"], float(model_bytes))
     metrics = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    metrics = [m for m in metrics if "tokens/trained" in m]  # iterations only (not the end's held-out line)
     rollouts = [json.loads(x) for x in (d / "rollouts.jsonl").read_text().splitlines() if x.strip()]
     run = MeasuredRun(name or d.name, Deployment(mode, infer, train), workload, e["threads_per_worker"])
     B, G = workload.prompts, workload.group_size
