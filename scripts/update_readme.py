@@ -618,6 +618,36 @@ def async_story(results: Path, tag: str = "balanced") -> str:
     return text
 
 
+def contention_story(results: Path) -> str:
+    """phase_contention.csv read against the pipeline's balanced run: how much the two phases slow
+    each other as bare processes, and how much inside the pipeline (the trainer thread's CPU time)."""
+    rows, phases = _rows(results, "phase_contention.csv"), _rows(results, "async_speedup_balanced_phases.csv")
+    if not rows:
+        return "_not run yet: `bash experiments/async_speedup.sh`_"
+    v = {(r["model"], r["case"], r["process"]): r for r in rows}
+    parts = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        pinned = v.get((model, "pinned", "trainer")), v.get((model, "pinned", "engine"))
+        waits, alone = v.get((model, "trainer_waits", "trainer")), v.get((model, "alone", "trainer"))
+        if not all(pinned) or not waits or not alone:
+            continue
+        parts.append(f"{model}: pinned apart, the trainer keeps {float(pinned[0]['vs_alone']):.2f} and the engine "
+                     f"{float(pinned[1]['vs_alone']):.2f} of their speed alone; waiting 20 ms before each step changes "
+                     f"the trainer's CPU time per step by "
+                     f"{100 * (float(waits['step_cpu_ms']) / float(alone['step_cpu_ms']) - 1):+.0f}%")
+    text = "As bare processes (medians of interleaved rounds): " + "; ".join(parts) + "."
+    if phases and phases[0].get("mean_train_thread_cpu_s"):
+        ph = {x["mode"]: x for x in phases}
+        alone_cpu, overlapped_cpu = (float(ph[m]["mean_train_thread_cpu_s"]) for m in ("sync-separated", "periodic-async"))
+        text += (f" Inside the pipeline (the balanced run above) the trainer's thread spends "
+                 f"{100 * (overlapped_cpu / alone_cpu - 1):+.0f}% CPU time on the same iteration's micro-steps when "
+                 f"generation runs beside it ({overlapped_cpu:.2f} s against {alone_cpu:.2f} s alone, "
+                 f"`mean_train_thread_cpu_s`)" + (": more than the bare processes show, so the rest is spent "
+                                                 "inside the trainer's process while the engine's results stream in."
+                                                 if overlapped_cpu / alone_cpu - 1 > 0.05 else "."))
+    return text
+
+
 def _experiments(run_all: Path) -> list[str]:
     """The EXPERIMENTS array of run_all.sh, in its order."""
     match = re.search(r"^EXPERIMENTS=\((.*?)\)", run_all.read_text(), flags=re.S | re.M)
@@ -663,6 +693,7 @@ def main() -> None:
                         if path.is_file() else f"_`{path}` not produced yet: run `bash {script}`._")
     tables["async_balanced_story"] = async_story(results, "balanced")
     tables["async_real_story"] = async_story(results, "real")
+    tables["contention_story"] = contention_story(results)
     tables["reward_story"] = reward_story(results)
     tables["reward_story_real"] = reward_story(results, "_real", window=5)
     tables["reward_story_seed1"] = reward_story(results / "reward_curves_seed1")

@@ -244,3 +244,22 @@ def test_async_balanced_story_says_where_the_gap_goes(tmp_path):
     assert "training 1.60 s an iteration (+13% and +7% against alone)" in text  # 1.7 / 1.5 and 1.6 / 1.5
     assert "then 0.12 s of training left when generation ends (the tail), then 0.05 s at the barrier" in text
     assert "barely slow each other" in write(1.95)  # 0.05 lost to contention, 0.35 to the rest
+
+
+def test_contention_story_reads_bare_processes_and_the_pipeline(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [dict(model="m", case="alone", process="trainer", vs_alone=1.0, step_cpu_ms=40.0),
+            dict(model="m", case="alone", process="engine", vs_alone=1.0, step_cpu_ms=""),
+            dict(model="m", case="pinned", process="trainer", vs_alone=0.98, step_cpu_ms=41.0),
+            dict(model="m", case="pinned", process="engine", vs_alone=0.9, step_cpu_ms=""),
+            dict(model="m", case="trainer_waits", process="trainer", vs_alone=0.7, step_cpu_ms=44.0)]
+    _csv(results / "phase_contention.csv", rows)
+    _csv(results / "async_speedup_balanced_phases.csv", [
+        dict(mode="sync-separated", mean_train_thread_cpu_s=2.0), dict(mode="periodic-async", mean_train_thread_cpu_s=2.5)])
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from update_readme import contention_story
+
+    text = contention_story(results)
+    assert "m: pinned apart, the trainer keeps 0.98 and the engine 0.90 of their speed alone" in text
+    assert "CPU time per step by +10%" in text and "+25% CPU time" in text and "inside the trainer's process" in text
