@@ -607,7 +607,7 @@ def async_story(results: Path, tag: str = "balanced") -> str:
                  f"and its check; {float(sep['mean_sync_s']):.2f} s in sync-separated); the trainer waited "
                  f"{float(ov['mean_first_group_s']):.2f} s for the first group (the head). ")
     text += ("Most of what it misses is the two phases slowing each other when they run at once; the "
-             if contention else "The phases barely slow each other when they run at once; most of what it misses is the ")
+             if contention else "The phases slowing each other costs less than the rest; most of what it misses is ")
     text += ("rest is " if contention else "") + ("the tail after generation ends (the last groups' micro-steps), the "
                                                    "wait for the first group and the barrier. ")
     col_vs_sep = float(col["speedup_vs_sync_separated"])
