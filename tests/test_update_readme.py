@@ -257,9 +257,6 @@ def test_contention_story_reads_bare_processes_and_the_pipeline(tmp_path):
     _csv(results / "phase_contention.csv", rows)
     _csv(results / "async_speedup_balanced_phases.csv", [
         dict(mode="sync-separated", mean_train_thread_cpu_s=2.0), dict(mode="periodic-async", mean_train_thread_cpu_s=2.5)])
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from update_readme import contention_story
-
-    text = contention_story(results)
+    text = _block(_render(tmp_path, results)["docs/results.md"].read_text(), "contention_story")
     assert "m: pinned apart, the trainer keeps 0.98 and the engine 0.90 of their speed alone" in text
     assert "CPU time per step by +10%" in text and "+25% CPU time" in text and "inside the trainer's process" in text
