@@ -15,6 +15,11 @@ import csv
 import re
 from pathlib import Path
 
+ASYNC_COLUMNS = ["mode", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_sync_separated",
+                 "speedup_min", "speedup_max", "bound", "efficiency", "efficiency_min", "efficiency_max",
+                 "bound_overlapped", "speedup_vs_sync_colocated", "repeats"]
+"""The columns shown of every async_speedup*.csv."""
+
 SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, columns shown])
     "sft": ("sft.csv", "experiments/warm_start.sh", "Warm start (supervised) of the RL base policy."),
     "fig1_timeline": ("fig1_timeline.csv", "experiments/fig1_timeline.sh",
@@ -28,16 +33,12 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
     "async_speedup": ("async_speedup.csv", "experiments/async_speedup.sh",
                       "Asynchrony alone (paper: 1.92x over the synchronous baseline on an 8B model, against the "
                       "bound of 2x). Medians of interleaved rounds, min-max.",
-                      ["mode", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_sync_separated",
-                       "speedup_min", "speedup_max", "bound", "efficiency", "efficiency_min", "efficiency_max",
-                       "bound_overlapped", "speedup_vs_sync_colocated", "repeats"]),
+                      ASYNC_COLUMNS),
     "async_balanced": ("async_speedup_balanced.csv", "experiments/async_speedup.sh",
                        "Asynchrony alone on the balanced workload (async_speedup.sh, `--tag balanced`: generation and "
                        "training of nearly equal length, each phase on its own core for the whole iteration, as on "
                        "separate accelerators; paper: 1.92x, bound 2x). Medians of interleaved rounds, min-max.",
-                       ["mode", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_sync_separated",
-                        "speedup_min", "speedup_max", "bound", "efficiency", "efficiency_min", "efficiency_max",
-                        "bound_overlapped", "speedup_vs_sync_colocated", "repeats"]),
+                       ASYNC_COLUMNS),
     "phase_contention": ("phase_contention.csv", "experiments/async_speedup.sh",
                          "The two phases as bare processes on two cores (experiments/phase_contention.py): a trainer "
                          "loop and an engine loop, each alone on its core, both at once pinned apart, both at once "
@@ -50,9 +51,7 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
                    "Asynchrony alone on SmolLM2-135M-Instruct (one vLLM engine worker on one core, the trainer on "
                    "the other, each for the whole iteration; paper: 1.92x, bound 2x). Medians of interleaved rounds, "
                    "min-max.",
-                   ["mode", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_sync_separated",
-                    "speedup_min", "speedup_max", "bound", "efficiency", "efficiency_min", "efficiency_max",
-                    "bound_overlapped", "speedup_vs_sync_colocated", "repeats", "git_commit"]),
+                   ASYNC_COLUMNS + ["git_commit"]),
     "async_real_phases": ("async_speedup_real_phases.csv", "experiments/async_speedup.sh --settings real-model",
                           "Where each mode's iteration goes (seconds, medians over the rounds): generation, the "
                           "trainer's busy time, the barrier's push and check (`mean_sync_s`), the trainer's wait for "
