@@ -3,11 +3,12 @@ the claims table (paper value, ours, command) into README.md, every result table
 docs/results.md with the reading of the reward-curve and asynchrony runs, the times of `run_all.sh`
 into docs/reproduce.md, vLLM's measured speed over the built-in engine into README.md and
 docs/gpu.md, the scale-out and weight-sync numbers into docs/scaling.md, the soak run's into
-docs/usage.md. Captions cite the paper's numbers.
+docs/usage.md, the TRL field tables (from trl_api.py) and the drop-in timing into docs/trl.md.
+Captions cite the paper's numbers.
 
     python scripts/update_readme.py [--results results] [--readme README.md] [--tables docs/results.md]
         [--reproduce docs/reproduce.md] [--gpu docs/gpu.md]
-        [--scaling docs/scaling.md] [--usage docs/usage.md]
+        [--scaling docs/scaling.md] [--usage docs/usage.md] [--trl docs/trl.md]
 """
 
 import argparse
@@ -650,6 +651,37 @@ def contention_story(results: Path) -> str:
     return text
 
 
+def trl_fields() -> str:
+    """docs/trl.md's tables of the TRL fields taken with no effect, at one value only, or refused,
+    from trl_api.py itself (the code is the one list)."""
+    from periodic_async import trl_api
+
+    def esc(text: str) -> str:
+        return str(text).replace("|", "\\|")
+
+    lines = ["**Accepted, no effect here** (the trainer prints the ones a script sets):", "",
+             "| TRL field | why |", "|---|---|"]
+    lines += [f"| `{k}` | {esc(v)} |" for k, v in sorted(trl_api.NO_EFFECT.items())]
+    lines += ["", "**Accepted at TRL's default only** (another value is refused in one line):", "",
+              "| TRL field | the value | why |", "|---|---|---|"]
+    lines += [f"| `{k}` | `{d!r}` | {esc(v)} |" for k, (d, v) in sorted(trl_api.ONLY_DEFAULT.items())]
+    lines += ["", "**Refused** (GRPOConfig or GRPOTrainer arguments):", "", "| TRL field | why |", "|---|---|"]
+    lines += [f"| `{k}` | {esc(v)} |" for k, v in sorted(trl_api.REFUSED.items())]
+    lines += ["", "Any other name is refused too, in one line, rather than ignored."]
+    return "\n".join(lines)
+
+
+def trl_dropin(results: Path) -> str:
+    """The measured time per step of examples/trl_grpo.py on TRL and on this pipeline (trl_dropin.csv)."""
+    path = results / "trl_dropin.csv"
+    if not path.is_file():
+        return f"_`{path}` not produced yet: run `bash experiments/trl_dropin.sh`._"
+    return (f"The same script, one import line apart, on SmolLM2-135M-Instruct (2-core CPU; `{path}`, written by "
+            f"`bash experiments/trl_dropin.sh`): seconds per optimizer step, median (min-max) over interleaved "
+            f"rounds, and TRL's step time over each system's (paired per round):\n\n"
+            f"{table(path, ['system', 'step_s', 'step_s_min', 'step_s_max', 'speedup', 'speedup_min', 'speedup_max', 'train_s', 'repeats', 'git_commit'])}")
+
+
 def _experiments(run_all: Path) -> list[str]:
     """The EXPERIMENTS array of run_all.sh, in its order."""
     match = re.search(r"^EXPERIMENTS=\((.*?)\)", run_all.read_text(), flags=re.S | re.M)
@@ -686,6 +718,7 @@ def main() -> None:
     ap.add_argument("--gpu", default="docs/gpu.md", help="gets vLLM's measured speed")
     ap.add_argument("--scaling", default="docs/scaling.md", help="gets the scale-out and weight-sync numbers")
     ap.add_argument("--usage", default="docs/usage.md", help="gets the soak run's numbers")
+    ap.add_argument("--trl", default="docs/trl.md", help="gets the TRL field tables and the drop-in timing")
     args = ap.parse_args()
     results = Path(args.results)
     tables = {}
@@ -707,6 +740,7 @@ def main() -> None:
                                 "scaling_measured": scaling_measured(results),
                                 "scaling_simulated": scaling_simulated(results)})
     render(Path(args.usage), {"soak": soak_story(results)})
+    render(Path(args.trl), {"trl_fields": trl_fields(), "trl_dropin": trl_dropin(results)})
     render(Path(args.reproduce), {"run_all_times": times_table(results, _experiments(Path("run_all.sh")))})
 
 

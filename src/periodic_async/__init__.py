@@ -7,3 +7,14 @@ barrier, so every sample of iteration t comes from the policy of version t.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "__version__"]
+
+
+def __getattr__(name: str):
+    """`from periodic_async import GRPOTrainer, GRPOConfig`: TRL's interface (trl_api.py), imported on first use."""
+    if name in ("GRPOConfig", "GRPOTrainer"):
+        from periodic_async import trl_api
+
+        return getattr(trl_api, name)
+    raise AttributeError(f"module 'periodic_async' has no attribute {name!r}")

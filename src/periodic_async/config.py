@@ -363,7 +363,9 @@ class AlgorithmConfig:
     beta: float = 0.0
     """Weight of the k3 KL penalty to the reference model; 0 skips the reference forward."""
     advantage: str = "std"
-    """'std': (r - mean_G) / (std_G + eps); 'mean': r - mean_G (Dr. GRPO)."""
+    """'std': (r - mean_G) / (std_G + advantage_eps); 'mean': r - mean_G (Dr. GRPO)."""
+    advantage_eps: float = 1e-6
+    """The eps of 'std' advantages (TRL's GRPOTrainer uses 1e-4)."""
     loss_norm: str = "token-mean"
     """'token-mean' over the iteration's tokens, 'seq-mean' (mean per sequence, then over
     sequences), or 'constant' (sum / (B*G*max_tokens), Dr. GRPO). All exact under streaming."""
@@ -399,6 +401,7 @@ class AlgorithmConfig:
         _check(self.eps_high >= 0, a, "eps_high", self.eps_high, "must be >= 0")
         _check(self.beta >= 0, a, "beta", self.beta, "must be >= 0")
         _check(self.advantage in ("std", "mean"), a, "advantage", self.advantage, "expected std or mean")
+        _check(self.advantage_eps > 0, a, "advantage_eps", self.advantage_eps, "must be > 0")
         _check(self.loss_norm in ("token-mean", "seq-mean", "constant"), a, "loss_norm", self.loss_norm,
                "expected token-mean, seq-mean or constant")
         _check(self.max_grad_norm >= 0, a, "max_grad_norm", self.max_grad_norm, "must be >= 0")

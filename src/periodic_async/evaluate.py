@@ -14,8 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from periodic_async.config import DataConfig
-from periodic_async.data import Example, prompt_messages, reward_kwargs
-from periodic_async.data.prompts import encode_chat
+from periodic_async.data import Example, encode_prompts, reward_kwargs, reward_prompt
 from periodic_async.reward.functions import correctness_reward
 
 
@@ -32,10 +31,10 @@ def evaluate(model, tokenizer, examples: Sequence[Example], shots: Sequence[Exam
     model.eval()
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
-    messages = [prompt_messages(e, list(shots), data) for e in examples]
+    prompt_ids = encode_prompts(tokenizer, examples, list(shots), data)
     texts, lengths = [], []
     for i in range(0, len(examples), batch_size):
-        prompts = [encode_chat(tokenizer, m) for m in messages[i: i + batch_size]]
+        prompts = prompt_ids[i: i + batch_size]
         width = max(len(p) for p in prompts)
         ids_BxL = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         mask_BxL = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -47,7 +46,7 @@ def evaluate(model, tokenizer, examples: Sequence[Example], shots: Sequence[Exam
             lengths.append(len(row))
             texts.append(tokenizer.decode(row, skip_special_tokens=True))
     score = correctness_reward if accuracy_fn is None else accuracy_fn
-    rewards = score([m[-1]["content"] for m in messages], texts, **reward_kwargs(list(examples)))
+    rewards = score([reward_prompt(e, list(shots), data) for e in examples], texts, **reward_kwargs(list(examples)))
     model.train(was_training)
     samples = [{"question": e.question, "answer": e.answer, "completion": t, "correct": r}
                for e, t, r in zip(examples, texts, rewards)]

@@ -56,6 +56,8 @@ def group_advantages(rewards_BxG: torch.Tensor | Sequence, mode: str = "std", ep
           'mean' -> r - mean_G (Dr. GRPO).
     Returns (..., G) advantages in the rewards' float dtype (float32 for int/list input).
     A group whose rewards are all equal gets exactly 0 (also for G = 1).
+    A NaN reward (TRL's convention for a sample no reward function scored) is left out of its
+    group's mean and std and gets advantage 0.
     """
     r = torch.as_tensor(rewards_BxG)
     if not r.is_floating_point():
@@ -64,10 +66,26 @@ def group_advantages(rewards_BxG: torch.Tensor | Sequence, mode: str = "std", ep
         raise ValueError(f"advantage mode {mode!r}: expected 'std' or 'mean'")
     if r.shape[-1] == 1:
         return torch.zeros_like(r)
+    scored = ~torch.isnan(r)
+    if not scored.all():
+        return _nan_group_advantages(r, scored, mode, eps)
     centered = r - r.mean(dim=-1, keepdim=True)
     adv = centered / (r.std(dim=-1, keepdim=True) + eps) if mode == "std" else centered
     all_equal = (r == r[..., :1]).all(dim=-1, keepdim=True)
     return torch.where(all_equal, torch.zeros_like(adv), adv)
+
+
+def _nan_group_advantages(r: torch.Tensor, scored: torch.Tensor, mode: str, eps: float) -> torch.Tensor:
+    """`group_advantages` over the scored (non-NaN) rewards of each group; 0 for the others."""
+    zero = torch.zeros_like(r)
+    n = scored.sum(dim=-1, keepdim=True)
+    mean = torch.where(scored, r, zero).sum(dim=-1, keepdim=True) / n.clamp(min=1)
+    centered = torch.where(scored, r - mean, zero)
+    std = ((centered ** 2).sum(dim=-1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()
+    adv = centered / (std + eps) if mode == "std" else centered
+    lo = torch.where(scored, r, torch.full_like(r, float("inf"))).amin(dim=-1, keepdim=True)
+    hi = torch.where(scored, r, torch.full_like(r, float("-inf"))).amax(dim=-1, keepdim=True)
+    return torch.where(scored & (n > 1) & (lo != hi), adv, zero)
 
 
 def kl_k3(logp_N: torch.Tensor, ref_logp_N: torch.Tensor) -> torch.Tensor:

@@ -43,8 +43,9 @@ import contextlib
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -93,7 +94,7 @@ def devices_in_use(cfg: RunConfig, trainer_ranks: int = 1, version: int = 0) -> 
 
 def _iteration_metrics(groups: list[Group], t_start: float, t_end: float, train: dict, sync_s: float,
                        cfg: RunConfig, trainer_ranks: int = 1) -> dict[str, float]:
-    rewards = [r for g in groups for r in g.rewards]
+    rewards = [r for g in groups for r in g.rewards if r == r] or [float("nan")]  # NaN: scored by no function (TRL)
     lengths = [len(r) for g in groups for r in g.response_ids]
     trained = sum(len(g.prompt_ids) * g.size + g.num_response_tokens for g in groups)
     wall = t_end - t_start
@@ -139,11 +140,26 @@ def build_engine(cfg: RunConfig) -> Engine:
     return make_engine(cfg.engine, cfg.model)
 
 
-def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
+@dataclass
+class Task:
+    """What a run learns from, given in code instead of by `cfg.data` and `cfg.reward` (the
+    TRL-shaped API, trl_api.py): the training and held-out examples, the reward and accuracy
+    functions (the producer's shape, f(prompts, completions, **columns)), the few-shot examples.
+    Prompts are checked against the model's context as `cfg.data` ones are."""
+
+    examples: list
+    evals: list = field(default_factory=list)
+    reward_fn: Callable[..., list[float]] | None = None
+    accuracy_fn: Callable[..., list[float]] | None = None
+    shots: list = field(default_factory=list)
+
+
+def run(cfg: RunConfig, engine: Engine | None = None, task: Task | None = None) -> dict:
     """Train for `cfg.trainer.iterations`; returns a summary. Writes under trainer.output_dir:
     config.yaml, run_info.json, metrics.jsonl, eval.jsonl, rollouts.jsonl, trace.jsonl,
     trace.chrome.json, checkpoint-<t>/ (+ the `checkpoint` link; checkpoint.py), summary.json.
-    `engine` lets tests and benchmarks share one started engine. Whatever stops the run (an
+    `engine` lets tests and benchmarks share one started engine; `task` replaces the data and
+    reward of `cfg` (`Task`). Whatever stops the run (an
     error, a signal, a failure while starting), what was started is released: the producer
     thread, the engine when the run built it (Ray with it), W&B, the progress bar.
 
@@ -159,7 +175,7 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.model.seed)
     policy, tokenizer = load_policy(cfg.model)
-    data = _load_data(cfg, policy, tokenizer) if ranks.is_main else None  # rank 0 alone samples
+    data = _load_data(cfg, policy, tokenizer, task) if ranks.is_main else None  # rank 0 alone samples
     tracer = Tracer(enabled=cfg.logging.trace, path=out / "trace.jsonl") if ranks.is_main else Tracer(enabled=False)
     consumer = Consumer(policy, cfg, tracer, ranks=ranks, pinned=pinned)  # tri-model's ref = the initial weights
     ckpt = checkpoint.resume(cfg, consumer)  # trainer ranks: every rank loads rank 0's checkpoint
@@ -207,14 +223,20 @@ def run(cfg: RunConfig, engine: Engine | None = None) -> dict:
 _DATA_CACHE: dict[tuple, tuple[list, list, list]] = {}  # the last few data sets of this process
 
 
-def _load_data(cfg: RunConfig, policy, tokenizer) -> tuple[list, list, list, object]:
+def _load_data(cfg: RunConfig, policy, tokenizer, task: Task | None = None) -> tuple[list, list, list, object, object]:
     """Rank 0's (training examples, held-out examples, few-shot examples, reward function); every
     prompt + max_tokens is checked once against the model's context. A process that runs several
     times on the same data (a benchmark's systems, resumed legs) loads and checks it once: the
     key is everything the result depends on (the data settings, the source file's size and time,
     max_tokens, the context, the tokenizer and its chat template); examples skipped as too long
-    (data.skip_too_long) are reported at the first load."""
+    (data.skip_too_long) are reported at the first load. A `task` is checked, never cached."""
     context = getattr(policy.config, "max_position_embeddings", None)
+    if task is not None:
+        examples, evals = (fit_to_context(e, task.shots, tokenizer, cfg.engine.max_tokens, context,
+                                          cfg.data.skip_too_long, what, cfg.data)
+                           for e, what in ((task.examples, "training"), (task.evals, "held-out")))
+        reward_fn = make_reward(cfg.reward) if task.reward_fn is None else task.reward_fn
+        return examples, evals, list(task.shots), reward_fn, task.accuracy_fn
     source = Path(cfg.data.source)
     st = source.stat() if source.exists() else None
     stat = (st.st_mtime_ns, st.st_size) if st else None
@@ -224,13 +246,13 @@ def _load_data(cfg: RunConfig, policy, tokenizer) -> tuple[list, list, list, obj
         examples, evals = load_examples(cfg.data, "train"), load_examples(cfg.data, "eval")
         shots = few_shot_examples(cfg.data)
         examples, evals = (fit_to_context(e, shots, tokenizer, cfg.engine.max_tokens, context,
-                                          cfg.data.skip_too_long, what)
+                                          cfg.data.skip_too_long, what, cfg.data)  # the configured template
                            for e, what in ((examples, "training"), (evals, "held-out")))
         while len(_DATA_CACHE) >= 4:
             _DATA_CACHE.pop(next(iter(_DATA_CACHE)))
         _DATA_CACHE[key] = (examples, evals, shots)
     examples, evals, shots = _DATA_CACHE[key]
-    return list(examples), list(evals), list(shots), make_reward(cfg.reward)
+    return list(examples), list(evals), list(shots), make_reward(cfg.reward), None
 
 
 class _Generation:
@@ -241,11 +263,11 @@ class _Generation:
     def __init__(self, cfg: RunConfig, engine: Engine, tokenizer, data, tracer: Tracer, ranks: Ranks,
                  started: contextlib.ExitStack, push_check: PushCheck | None = None,
                  producer_cores: list[int] | None = None) -> None:
-        examples, self.evals, shots, reward_fn = data
+        examples, self.evals, shots, reward_fn, accuracy_fn = data
         self.cfg, self.engine, self.tracer, self.ranks = cfg, engine, tracer, ranks
         self.push_check = push_check
         self.producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=self.evals,
-                                 cores=producer_cores)
+                                 accuracy_fn=accuracy_fn, cores=producer_cores)
         started.callback(self.producer.close)
         out = Path(cfg.trainer.output_dir)
         logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,

@@ -19,9 +19,11 @@ while they run, and the iteration ends when both are done.
 (before the last group is queued): from then on the engines' devices are free until the
 barrier, and the consumer may take them (`trainer.threads_after_generation`).
 
-Reward and accuracy functions get TRL's arguments: the prompt text (its last user turn), the
-completions, and every column of the example's dataset record as keyword lists
-(`data.reward_kwargs`; `answer` always, the parsed ground truth).
+Reward and accuracy functions get TRL's arguments: the prompts (the example's own `prompt` when
+the dataset gives it whole, text or messages; else the template's user turn), the completions,
+`completion_ids`, `trainer_state` (`TrainerState`: the step that sampled them) and every column
+of the example's dataset record as keyword lists (`data.reward_kwargs`; `answer` always, the
+parsed ground truth).
 
 Guarantees: every prompt of the iteration is delivered exactly once (the consumer counts
 them); a request's sampling seed is a pure function of (run seed, iteration, prompt), so
@@ -39,11 +41,10 @@ from typing import Callable, Iterator, Sequence
 from periodic_async import grpo
 from periodic_async.config import RunConfig
 from periodic_async.parallel.affinity import pin_thread
-from periodic_async.data import Example, iteration_prompts, prompt_messages, reward_kwargs
+from periodic_async.data import Example, encode_prompts, iteration_prompts, reward_kwargs, reward_prompt
 from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
 from periodic_async.group import Group
-from periodic_async.reward import RewardError, make_accuracy
-from periodic_async.data.prompts import encode_chat
+from periodic_async.reward import RewardError, TrainerState, make_accuracy
 from periodic_async.trace import Tracer
 
 
@@ -97,7 +98,8 @@ class Producer:
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._prompt_ids:
-            self._prompt_ids[index] = encode_chat(self.tokenizer, self._messages(self.examples[index]))
+            self._prompt_ids[index] = encode_prompts(self.tokenizer, [self.examples[index]], self.shots,
+                                                     self.cfg.data)[0]
         return self._prompt_ids[index]
 
     def start(self, iteration: int) -> None:
@@ -187,7 +189,7 @@ class Producer:
     def _eval_requests(self, iteration: int) -> dict[str, tuple[Request, int]]:
         greedy = SamplingParams(max_tokens=self.cfg.engine.max_tokens, temperature=0.0, stop=list(self.cfg.engine.stop))
         if self._eval_prompt_ids is None:
-            self._eval_prompt_ids = [encode_chat(self.tokenizer, self._messages(e)) for e in self.eval_examples]
+            self._eval_prompt_ids = encode_prompts(self.tokenizer, self.eval_examples, self.shots, self.cfg.data)
         return {f"eval{iteration}-{i}": (Request(f"eval{iteration}-{i}", ids, 1, greedy, seed=i), i)
                 for i, ids in enumerate(self._eval_prompt_ids)}
 
@@ -195,8 +197,8 @@ class Producer:
         order = sorted(texts)
         examples = [self.eval_examples[i] for i in order]
         try:
-            correct = self.accuracy_fn([self._messages(e)[-1]["content"] for e in examples],
-                                       [texts[i] for i in order], **reward_kwargs(examples))
+            correct = self.accuracy_fn([self._prompt(e) for e in examples], [texts[i] for i in order],
+                                       **reward_kwargs(examples))
         except Exception as e:
             raise RewardError(f"held-out evaluation of version {version}: {type(e).__name__}: {e}") from e
         n = len(correct)
@@ -206,8 +208,14 @@ class Producer:
                                       "correct": [int(c) if float(c).is_integer() else c for c in correct]}
         return self.eval_results[version]
 
-    def _messages(self, example: Example) -> list[dict[str, str]]:
-        return prompt_messages(example, self.shots, self.cfg.data)
+    def _prompt(self, example: Example):
+        return reward_prompt(example, self.shots, self.cfg.data)
+
+    def trainer_state(self, iteration: int) -> TrainerState:
+        """What reward functions get as `trainer_state` for the samples of `iteration`."""
+        steps = self.cfg.algorithm.optimizer_steps_per_iteration
+        return TrainerState(global_step=iteration * steps, max_steps=self.cfg.trainer.iterations * steps,
+                            epoch=iteration * self.cfg.algorithm.prompts_per_iteration / len(self.examples))
 
     def _score(self, out: RequestOutput, index: int, example: Example, iteration: int, version: int,
                submitted: float) -> Group:
@@ -220,15 +228,17 @@ class Producer:
                             tokens=len(out.samples[k].token_ids), first_token=ev.get("first_token"))
         t0 = time.time()
         texts = [s.text for s in out.samples]
-        prompts = [self._messages(example)[-1]["content"]] * len(texts)
-        columns = reward_kwargs([example] * len(texts))
+        prompts = [self._prompt(example)] * len(texts)
+        columns = {**reward_kwargs([example] * len(texts)), "completion_ids": [s.token_ids for s in out.samples],
+                   "trainer_state": self.trainer_state(iteration)}
         try:
             rewards = self.reward_fn(prompts, texts, **columns)
             correct = self.accuracy_fn(prompts, texts, **columns)
         except Exception as e:
             raise RewardError(f"iteration {iteration}, prompt {index} (request {out.request_id}): "
                               f"{type(e).__name__}: {e}") from e
-        advantages = grpo.group_advantages([float(r) for r in rewards], mode=self.cfg.algorithm.advantage).tolist()
+        advantages = grpo.group_advantages([float(r) for r in rewards], mode=self.cfg.algorithm.advantage,
+                                           eps=self.cfg.algorithm.advantage_eps).tolist()
         t1 = time.time()
         self.tracer.add("reward", "producer", t0, t1, request=out.request_id)
         return Group(

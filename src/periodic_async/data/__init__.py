@@ -8,10 +8,11 @@
 Dependencies point one way: tasks <- prompts <- tokenizer.
 """
 
-from periodic_async.data.prompts import INSTRUCTION, encode_chat, encode_chats, fit_to_context, prompt_messages
+from periodic_async.data.prompts import (INSTRUCTION, encode_chat, encode_chats, encode_prompts, fit_to_context,
+                                        prompt_messages, reward_prompt)
 from periodic_async.data.tasks import (DataError, Example, check_disjoint, few_shot_examples, iteration_prompts,
                                        load_examples, make_synthetic, make_synthetic_example, reward_kwargs)
 
-__all__ = ["DataError", "Example", "INSTRUCTION", "check_disjoint", "encode_chat", "encode_chats", "few_shot_examples",
-           "fit_to_context", "iteration_prompts", "load_examples", "make_synthetic", "make_synthetic_example",
-           "prompt_messages", "reward_kwargs"]
+__all__ = ["DataError", "Example", "INSTRUCTION", "check_disjoint", "encode_chat", "encode_chats", "encode_prompts",
+           "few_shot_examples", "fit_to_context", "iteration_prompts", "load_examples", "make_synthetic",
+           "make_synthetic_example", "prompt_messages", "reward_kwargs", "reward_prompt"]

@@ -2,6 +2,10 @@
 few-shot examples, the problem's user turn), and the check that every prompt leaves room for
 its response in the model's context.
 
+An example given with its prompt whole (`Example.prompt`, TRL's dataset formats) bypasses the
+template: a text prompt is tokenized as it is, a conversational one goes through the chat
+template as it is (`encode_prompts`, what TRL's GRPOTrainer does with the same rows).
+
 `prompt_messages` is the prompt template, all of it configuration (`data.system_prompt`,
 `data.instruction`, `data.question_template`, `data.few_shot_format`, `data.shot_template`; see
 config.py): the defaults reproduce the single hard-coded instruction this project started with,
@@ -40,7 +44,11 @@ def prompt_messages(example: Example, shots: Sequence[Example] = (),
                     data: DataConfig | None = None) -> list[dict[str, str]]:
     """The chat messages of one prompt: [system], the solved examples (inline in the user turn, or
     as user/assistant turns), the problem's user turn (`data.question_template`). `data`: the
-    run's DataConfig (None: the defaults)."""
+    run's DataConfig (None: the defaults). An example with conversational `prompt` messages: those."""
+    if isinstance(example.prompt, list):
+        return list(example.prompt)
+    if isinstance(example.prompt, str):
+        raise DataError(f"example {example.id or '?'}: a text prompt has no chat messages (it is tokenized as it is)")
     d = _DEFAULT if data is None else data
     ask = lambda e: _fill(d.question_template, "question_template", e, instruction=d.instruction)  # noqa: E731
     messages = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
@@ -69,7 +77,7 @@ def fit_to_context(examples: list[Example], shots: list[Example], tokenizer, max
     if not context or not examples:
         return list(examples)
     limit = context - max_new_tokens
-    lengths = [len(ids) for ids in encode_chats(tokenizer, [prompt_messages(e, shots, data) for e in examples])]
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, examples, shots, data)]
     too_long = [i for i, n in enumerate(lengths) if n > limit]
     if not too_long:
         return list(examples)
@@ -102,3 +110,26 @@ def encode_chats(tokenizer, conversations: list[list[dict[str, str]]]) -> list[l
         return []
     texts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
     return tokenizer(texts, add_special_tokens=False).input_ids
+
+
+def reward_prompt(example: Example, shots: Sequence[Example] = (), data: DataConfig | None = None):
+    """The `prompts` entry reward functions get for `example`: its `prompt` when given whole (a text,
+    or chat messages, as TRL passes them), else the problem's user turn of the template."""
+    if example.prompt is not None:
+        return example.prompt
+    return prompt_messages(example, shots, data)[-1]["content"]
+
+
+def encode_prompts(tokenizer, examples: Sequence[Example], shots: Sequence[Example] = (),
+                   data: DataConfig | None = None) -> list[list[int]]:
+    """The prompt token ids of each example: a text `prompt` tokenized as it is (`tokenizer(text)`,
+    as TRL does), messages (given, or built from the template) through the chat template."""
+    chats = [(i, prompt_messages(e, shots, data)) for i, e in enumerate(examples) if not isinstance(e.prompt, str)]
+    texts = [(i, e.prompt) for i, e in enumerate(examples) if isinstance(e.prompt, str)]
+    out: list[list[int]] = [[] for _ in examples]
+    for (i, _), ids in zip(chats, encode_chats(tokenizer, [m for _, m in chats])):
+        out[i] = ids
+    if texts:
+        for (i, _), ids in zip(texts, tokenizer([t for _, t in texts]).input_ids):
+            out[i] = list(ids)
+    return out

@@ -36,13 +36,17 @@ class Example:
     """One problem: `answer` is the ground truth the reward compares to; `solution` (optional)
     is a worked solution ending in '#### answer', the target of supervised warm start;
     `columns` is the record it came from, every column (the synthetic task's: question, answer,
-    solution, id), for the prompt template's placeholders and the reward functions' kwargs."""
+    solution, id), for the prompt template's placeholders and the reward functions' kwargs.
+    `prompt` is a prompt given whole (TRL's dataset formats): a text, tokenized as it is (no chat
+    template), or chat messages, through the chat template as they are; None (our datasets): the
+    prompt is built from the configured template (data/prompts.py)."""
 
     question: str
     answer: str
     solution: str | None = None
     id: str = ""
     columns: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    prompt: str | list[dict[str, Any]] | None = field(default=None, compare=False, repr=False)
 
 
 RESERVED_COLUMNS = frozenset({"prompt", "prompts", "completion", "completions", "completion_ids"})
@@ -53,10 +57,12 @@ def reward_kwargs(examples: Sequence[Example]) -> dict[str, list]:
     """The keyword arguments of a reward call for completions of `examples` (one example per
     completion): TRL's convention, every dataset column as a list with one value per completion
     (None where a record lacks it), except `RESERVED_COLUMNS`. `answer` is always there and is
-    the parsed ground truth (GSM8K's answer column, a worked solution, becomes its final number)."""
+    the parsed ground truth (GSM8K's answer column, a worked solution, becomes its final number),
+    except for examples given with their prompt whole (TRL's datasets): their columns go as they are."""
     names = dict.fromkeys(k for e in examples for k in e.columns if k not in RESERVED_COLUMNS)
     kwargs = {k: [e.columns.get(k) for e in examples] for k in names}
-    kwargs["answer"] = [e.answer for e in examples]
+    if any(e.prompt is None for e in examples):
+        kwargs["answer"] = [e.answer for e in examples]
     return kwargs
 
 

@@ -9,12 +9,12 @@ Built-in functions are named `periodic_async.reward:<name>` in `reward.functions
 
 from periodic_async.reward.answers import (answers_match, extract_answer, last_boxed, math_verify_stats,
                                            normalize_answer, verify_math)
-from periodic_async.reward.functions import (RewardError, RewardFn, call_reward_fn, combined_reward,
+from periodic_async.reward.functions import (RewardError, RewardFn, TrainerState, call_reward_fn, combined_reward,
                                              correctness_reward, format_reward, load_reward_fn, make_accuracy,
                                              make_reward, math_reward)
 from periodic_async.reward.sandbox import BoundedWorker, WorkerError
 
-__all__ = ["BoundedWorker", "RewardError", "RewardFn", "WorkerError", "answers_match", "call_reward_fn",
+__all__ = ["BoundedWorker", "RewardError", "RewardFn", "TrainerState", "WorkerError", "answers_match", "call_reward_fn",
            "combined_reward", "correctness_reward", "extract_answer", "format_reward", "last_boxed",
            "load_reward_fn", "make_accuracy", "make_reward", "math_reward", "math_verify_stats", "normalize_answer",
            "verify_math"]

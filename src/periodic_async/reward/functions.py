@@ -2,7 +2,8 @@
 
 A reward function has TRL's shape, `f(prompts, completions, **kwargs) -> list[float]`,
 where kwargs carry every column of the dataset, one value per completion (`data.reward_kwargs`;
-`answer` is always there, the parsed ground truth). The producer scores each finished group
+`answer` is always there, the parsed ground truth), `completion_ids` and `trainer_state`
+(`TrainerState`). The producer scores each finished group
 with the weighted sum of the configured functions (`combined_reward`), and its accuracy with
 `reward.accuracy_function` (`make_accuracy`, scores in [0, 1]; held-out evaluation uses it too).
 Answers are parsed and compared in answers.py; user functions run in sandbox.py's worker.
@@ -24,6 +25,7 @@ import math
 import re
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -32,6 +34,19 @@ from periodic_async.reward.answers import answers_match, extract_answer, math_ve
 from periodic_async.reward.sandbox import BoundedWorker, WorkerError
 
 RewardFn = Callable[..., list[float]]
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The `trainer_state` reward functions get (TRL passes its TrainerState; these are the fields
+    a reward that shapes itself by training progress reads): the optimizer steps taken before the
+    samples were drawn, the run's total, and the epoch (prompts taken / training prompts)."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
+
+
 BUILT_IN_MODULES = ("periodic_async.reward", __name__)
 """Module names under which the built-in functions are named in `reward.functions` (run in-process)."""
 
