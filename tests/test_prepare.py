@@ -11,7 +11,7 @@ The claims:
 - the conversion replaces an incomplete directory, leaves no temporary directory behind, and a
   second call keeps the complete one untouched (idempotent);
 - the wheel's package is located, never imported (importing it needs the unrelated `llm` tool).
-One conversion per module (~20 s on 2 cores), into a temporary directory.
+One GGUF load and one conversion per module, into a temporary directory.
 """
 
 from __future__ import annotations
@@ -38,13 +38,23 @@ TEXT = [{"role": "user", "content": "Ava has 12 apples. Then Ava buys 34 more ap
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """One conversion into a directory that already holds an interrupted run's leftovers."""
+def gguf_loaded():
+    """The GGUF file dequantized by transformers' loader, once per module (~20 s on 2 cores)."""
+    return prepare.load_gguf("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, gguf_loaded):
+    """One conversion into a directory that already holds an interrupted run's leftovers. The
+    conversion reads the GGUF through `gguf_loaded` (`prepare_model` copies its config and weights
+    into a new model and never changes it), so the file is dequantized once per module."""
     out = tmp_path_factory.mktemp("prepare") / "smollm2-135m-instruct"
     out.mkdir()
     (out / "config.json").write_text("{}")  # an incomplete directory: no weights, no marker
     t0 = time.time()
-    path = prepare.prepare_model("smollm2-135m", out)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prepare, "load_gguf", lambda name: gguf_loaded)
+        path = prepare.prepare_model("smollm2-135m", out)
     print(f"[test_prepare] conversion {time.time() - t0:.1f} s")
     return path
 
@@ -57,11 +67,12 @@ def sequence_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits_LxV, -1).gather(1, ids_1xL[0, 1:, None])[:, 0]
 
 
-def test_converted_logprobs_equal_the_gguf_models(converted):
-    """Per-token log-probs of the saved directory == those of the GGUF-loaded model (atol 1e-5)."""
+def test_converted_logprobs_equal_the_gguf_models(converted, gguf_loaded):
+    """Per-token log-probs of the saved directory (read back from disk) == those of the GGUF-loaded
+    model (atol 1e-5)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_model, gguf_tok = prepare.load_gguf("smollm2-135m")
+    gguf_model, gguf_tok = gguf_loaded
     model = AutoModelForCausalLM.from_pretrained(converted)
     tok = AutoTokenizer.from_pretrained(converted)
     assert getattr(model.config, "quantization_config", None) is None

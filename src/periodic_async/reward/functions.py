@@ -19,13 +19,13 @@ its own working directory.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
 import re
 import threading
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -36,7 +36,7 @@ from periodic_async.reward.sandbox import BoundedWorker, WorkerError
 RewardFn = Callable[..., list[float]]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TrainerState:
     """The `trainer_state` reward functions get (TRL passes its TrainerState; these are the fields
     a reward that shapes itself by training progress reads): the optimizer steps taken before the
@@ -63,6 +63,8 @@ def worker_reward_fn(spec: str) -> "RewardFn":
 def call_reward_fn(spec: str, prompts: list, completions: list[str], kwargs: dict) -> list[float]:
     """In the worker process: `spec`(prompts, completions, **kwargs) as a list of floats (NaN and
     inf included: the caller checks them and names the function)."""
+    if isinstance(kwargs.get("trainer_state"), dict):  # sent as JSON by `combined_reward`
+        kwargs["trainer_state"] = TrainerState(**kwargs["trainer_state"])
     r = worker_reward_fn(spec)(prompts, completions, **kwargs)
     try:
         return [float(x) for x in r]
@@ -183,6 +185,8 @@ def combined_reward(fns: Sequence[RewardFn | str], weights: Sequence[float], tim
             raise RewardError(f"reward function {name!r}: its worker process did not start ({e}); "
                               "its error is printed above") from None
         try:
+            if isinstance(kwargs.get("trainer_state"), TrainerState):  # the worker speaks JSON
+                kwargs = {**kwargs, "trainer_state": dataclasses.asdict(kwargs["trainer_state"])}
             return worker.call("periodic_async.reward.functions:call_reward_fn", spec, list(prompts), list(completions),
                                kwargs, timeout_s=timeout_s)
         except TimeoutError:
