@@ -60,7 +60,8 @@ NO_EFFECT: dict[str, str] = {
     "log_completions": "every completion is written to <output_dir>/rollouts.jsonl",
     "num_completions_to_print": "completions are written to rollouts.jsonl, not printed",
     "per_device_train_batch_size": "counts completions in the generation batch (see generation_batch_size); "
-                                   "micro-batches are sized by tokens here (micro_batch_tokens), which changes no number",
+                                   "micro-batches are one group each in periodic-async (training starts with the "
+                                   "first group), algorithm.micro_batch_tokens otherwise: the gradient is the same",
     "per_device_eval_batch_size": "held-out prompts go through the engines as one batch",
     "gradient_checkpointing": "activations are kept (memory only: the numbers are the same)",
     "dataloader_num_workers": "prompts are tokenized once, in the producer",
@@ -332,6 +333,8 @@ class GRPOConfig:
             "trainer.save_every": _every(self.save_steps, steps, total) if self.save_strategy == "steps" else 0,
             "pipeline.mode": self.mode, "logging.wandb_mode": wandb, "logging.progress": True,
         }
+        if self.mode == "periodic-async":  # one group per micro-batch: training starts with the first group
+            values.update({"algorithm.micro_batch_tokens": 0, "algorithm.micro_batch_groups": 1})
         if model:
             values["model.name_or_path"] = model
         if self.save_total_limit is not None:
