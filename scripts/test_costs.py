@@ -1,55 +1,102 @@
 """What the default test suite spends its time on, grouped by what each test starts.
 
-    PA_TEST_COSTS=/tmp/costs.jsonl bash run_tests.sh -p no:randomly     # records (tests/conftest.py)
-    python scripts/test_costs.py /tmp/costs.jsonl [--top 15]           # a markdown table
+    python scripts/test_costs.py [--out results/test_costs.csv] [-- pytest args]
 
-Each test's time is its setup + call + teardown (a module- or session-scoped fixture's start-up
-falls on the first test that uses it). A test is put in the first group it belongs to, in the
-order: torchrun ranks, a vLLM engine worker, a subprocess of `python -m periodic_async`, another
-script subprocess, a Ray instance started, Ray engine workers started (the built-in batcher), none
-of these (in-process).
+Runs `python -m pytest` (the default suite, plus any pytest args) with PA_TEST_COSTS set, so that
+tests/conftest.py records each test's setup + call + teardown seconds and what it started (a Ray
+instance, Ray engine workers and their backend, subprocesses by program); writes one CSV row per
+test, each with the suite's wall time, the commit, the CPU and the pytest arguments.
+`scripts/update_readme.py` renders the grouped table into docs/reproduce.md.
+
+A test's group is the first it belongs to, in the order of `GROUPS`: torchrun ranks, a vLLM engine
+worker, a subprocess of `python -m periodic_async`, another script, other subprocesses (reward
+worker, multiprocessing ranks, vLLM's engine core), a Ray instance started, Ray engine workers
+started (the built-in batcher), none of these (in-process). A module- or session-scoped fixture's
+start-up falls on the first test that uses it.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
 from collections import defaultdict
+from pathlib import Path
 
-GROUPS = [("torchrun ranks", "subprocess_torchrun"), ("vLLM engine worker", "vllm_workers"),
-          ("`python -m periodic_async` subprocess", "subprocess_cli"), ("script subprocess", "subprocess_script"),
-          ("a Ray instance", "ray"), ("Ray engine workers (batcher)", "engine_workers"), ("in-process only", None)]
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = [("torchrun ranks", "subprocess_torchrun"), ("a vLLM engine worker", "vllm_workers"),
+          ("a `python -m periodic_async` subprocess", "subprocess_cli"), ("a script subprocess", "subprocess_script"),
+          ("other subprocesses (reward worker, ranks, vLLM engine core)", "subprocess_other"),
+          ("a Ray instance", "ray"), ("Ray engine workers (built-in batcher)", "engine_workers"),
+          ("nothing (in-process)", None)]
+COUNTS = ["ray", "engine_workers", "vllm_workers", "subprocess_torchrun", "subprocess_cli", "subprocess_script",
+          "subprocess_other"]
+COLUMNS = ["test", "group", "seconds", "outcome", *COUNTS, "suite_wall_s", "pytest_args", "cpu", "cores",
+           "git_commit"]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def per_test(records: list[dict]) -> dict[str, dict]:
+    """The recorder's lines (one per phase) summed per test."""
+    tests: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+    for r in records:
+        t = tests[r["test"]]
+        t["seconds"] += r["s"]
+        if r["phase"] == "call" or r["outcome"] != "passed":
+            t["outcome"] = r["outcome"]
+        for k in COUNTS:
+            t[k] += r.get(k, 0)
+    return tests
+
+
+def group_of(t: dict) -> str:
+    return next(label for label, key in GROUPS if key is None or t.get(key, 0) > 0)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("costs")
-    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--out", default=str(ROOT / "results" / "test_costs.csv"))
+    ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
-    tests: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-    for line in open(args.costs):
-        r = json.loads(line)
-        t = tests[r["test"]]
-        for k, v in r.items():
-            if k not in ("test", "phase", "outcome"):
-                t[k] += v
-    groups: dict[str, list] = defaultdict(list)
-    for name, t in tests.items():
-        label = next(label for label, key in GROUPS if key is None or t.get(key, 0) > 0)
-        groups[label].append((name, t))
-    total = sum(t["s"] for t in tests.values())
-    print(f"{len(tests)} tests, {total:.0f} s\n")
-    print("| what the test starts | tests | seconds | share | starts (Ray / batcher workers / vLLM workers / subprocesses) |")
-    print("|---|---|---|---|---|")
-    for label, _ in GROUPS:
-        rows = groups.get(label, [])
-        s = sum(t["s"] for _, t in rows)
-        starts = " / ".join(str(int(sum(t.get(k, 0) for _, t in rows))) for k in ("ray", "engine_workers", "vllm_workers"))
-        subs = int(sum(v for _, t in rows for k, v in t.items() if k.startswith("subprocess_")))
-        print(f"| {label} | {len(rows)} | {s:.0f} | {s / total:.0%} | {starts} / {subs} |")
-    print(f"\nThe {args.top} slowest:\n\n| test | seconds |\n|---|---|")
-    for name, t in sorted(tests.items(), key=lambda x: -x[1]["s"])[: args.top]:
-        print(f"| `{name}` | {t['s']:.1f} |")
+    sys.path.insert(0, str(ROOT / "src"))
+    from periodic_async.config import git_commit
+
+    commit = git_commit()
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "costs.jsonl"
+        t0 = time.time()
+        rc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args.pytest_args], cwd=ROOT,
+                            env={**os.environ, "PA_TEST_COSTS": str(record)}).returncode
+        wall = time.time() - t0
+        records = [json.loads(line) for line in record.read_text().splitlines()]
+    tests = per_test(records)
+    rows = [{"test": name, "group": group_of(t), "seconds": round(t["seconds"], 2), "outcome": t.get("outcome", ""),
+             **{k: int(t[k]) for k in COUNTS}, "suite_wall_s": round(wall, 1),
+             "pytest_args": " ".join(args.pytest_args), "cpu": cpu_name(), "cores": os.cpu_count(), "git_commit": commit}
+            for name, t in sorted(tests.items(), key=lambda x: -x[1]["seconds"])]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    print(f"[test_costs] {len(rows)} tests, suite {wall:.0f} s (pytest exit {rc}); wrote {out}")
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

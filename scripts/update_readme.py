@@ -1,7 +1,7 @@
 """Render results/*.csv into the docs between <!-- results:NAME --> markers (never by hand):
 the claims table (paper value, ours, command) into README.md, every result table into
 docs/results.md with the reading of the reward-curve and asynchrony runs, the times of `run_all.sh`
-into docs/reproduce.md, vLLM's measured speed over the built-in engine into README.md and
+and of the default test suite into docs/reproduce.md, vLLM's measured speed over the built-in engine into README.md and
 docs/gpu.md, the scale-out and weight-sync numbers into docs/scaling.md, the soak run's into
 docs/usage.md, the TRL field tables (from trl_api.py) and the drop-in timing into docs/trl.md.
 Captions cite the paper's numbers.
@@ -682,6 +682,32 @@ def trl_dropin(results: Path) -> str:
             f"{table(path, ['system', 'step_s', 'step_s_min', 'step_s_max', 'speedup', 'speedup_min', 'speedup_max', 'train_s', 'repeats', 'git_commit'])}")
 
 
+def test_costs(results: Path, top: int = 10) -> str:
+    """The default suite's time by what each test starts (test_costs.csv, scripts/test_costs.py)."""
+    rows = _rows(results, "test_costs.csv")
+    if not rows:
+        return f"_`{results}/test_costs.csv` not produced yet: run `python scripts/test_costs.py`._"
+    total = sum(float(r["seconds"]) for r in rows)
+    r0 = rows[0]
+    args = f" `{r0['pytest_args']}`" if r0["pytest_args"] else ""
+    lines = [f"The default suite{args} at commit `{r0['git_commit'][:12]}` on {r0['cpu']} ({r0['cores']} cores): "
+             f"{len(rows)} tests, {total:.0f} s in the tests, {float(r0['suite_wall_s']):.0f} s wall "
+             f"(`{results}/test_costs.csv`, written by `python scripts/test_costs.py`). Each test counts its setup, "
+             "call and teardown; a shared fixture's start-up falls on the first test that uses it.", "",
+             "| what the test starts | tests | seconds | share |", "|---|---|---|---|"]
+    groups: dict[str, list] = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(float(r["seconds"]))
+    for name, secs in sorted(groups.items(), key=lambda x: -sum(x[1])):
+        lines.append(f"| {name} | {len(secs)} | {sum(secs):.0f} | {sum(secs) / total:.0%} |")
+    lines += ["", f"The {top} slowest:", "", "| test | seconds | starts |", "|---|---|---|"]
+    for r in rows[:top]:
+        started = ", ".join(f"{k}={r[k]}" for k in ("ray", "engine_workers", "vllm_workers", "subprocess_cli",
+                                                    "subprocess_script", "subprocess_other") if r[k] != "0")
+        lines.append(f"| `{r['test']}` | {float(r['seconds']):.1f} | {started or '-'} |")
+    return "\n".join(lines)
+
+
 def _experiments(run_all: Path) -> list[str]:
     """The EXPERIMENTS array of run_all.sh, in its order."""
     match = re.search(r"^EXPERIMENTS=\((.*?)\)", run_all.read_text(), flags=re.S | re.M)
@@ -741,7 +767,8 @@ def main() -> None:
                                 "scaling_simulated": scaling_simulated(results)})
     render(Path(args.usage), {"soak": soak_story(results)})
     render(Path(args.trl), {"trl_fields": trl_fields(), "trl_dropin": trl_dropin(results)})
-    render(Path(args.reproduce), {"run_all_times": times_table(results, _experiments(Path("run_all.sh")))})
+    render(Path(args.reproduce), {"run_all_times": times_table(results, _experiments(Path("run_all.sh"))),
+                                  "test_costs": test_costs(results)})
 
 
 if __name__ == "__main__":

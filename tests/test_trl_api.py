@@ -2,6 +2,7 @@
 TRL's arguments, every TRL field is mapped, accepted with no effect, or refused in one line, and
 the advantages and loss on one batch equal those of TRL's own GRPOTrainer."""
 
+import json
 import math
 import subprocess
 import sys
@@ -129,8 +130,10 @@ def test_trl_script_trains_two_steps_and_saves(tmp_path, model_dir, conversation
     def not_applicable(completions, **kwargs):
         return [None] * len(completions)
 
+    evals = dict(eval_dataset=_dataset(True, n=3), args=_args(tmp_path / "run", eval_strategy="steps", eval_steps=1)) \
+        if conversational else dict(args=_args(tmp_path / "run"))
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[length_reward, not_applicable],
-                          args=_args(tmp_path / "run"), train_dataset=_dataset(conversational))
+                          train_dataset=_dataset(conversational), **evals)
     out = trainer.train()
     assert out.global_step == 2 and math.isfinite(out.training_loss)
     assert out.metrics["iterations"] == 2 and out.metrics["mode"] == "periodic-async"
@@ -145,6 +148,9 @@ def test_trl_script_trains_two_steps_and_saves(tmp_path, model_dir, conversation
     # the accuracy counts the `answer` column (the correctness reward); the weights moved; round trip
     metrics = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and '"accuracy": NaN' not in metrics[0]
+    if conversational:  # eval_steps=1: the held-out accuracy of versions 0, 1 and 2 (the end)
+        held_out = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+        assert [h["step"] for h in held_out] == [0, 1, 2] and all(h["n"] == 3 for h in held_out)
     saved = trainer.save_model(tmp_path / "final")
     from transformers import AutoModelForCausalLM
 
@@ -270,3 +276,24 @@ def test_trl_quickstart_script_on_smollm2(tmp_path):
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "global_step=2" in out.stdout and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_in_memory_model_and_its_tokenizer_are_written_for_the_engines(tmp_path, model_dir):
+    """A PreTrainedModel is saved (with processing_class) to <output_dir>/initial_model, which the
+    run then loads; a processing_class that is not the model directory's own tokenizer is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from periodic_async.data.tokenizer import load_tokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), load_tokenizer(model_dir)
+    trainer = GRPOTrainer(model=model, reward_funcs=len, args=_args(tmp_path / "run"), train_dataset=_dataset(False),
+                          processing_class=tok)
+    path = Path(trainer.model_path)
+    assert path == tmp_path / "run" / "initial_model" and (path / "config.json").is_file()
+    assert load_tokenizer(path).get_vocab() == tok.get_vocab()
+    assert trainer.run_config().model.name_or_path == str(path)
+    other = load_tokenizer(model_dir)
+    other.chat_template = "{{ messages[0]['content'] }}"
+    with pytest.raises(ConfigError, match="processing_class"):
+        GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path / "r2"), train_dataset=_dataset(False),
+                    processing_class=other)
