@@ -1,6 +1,6 @@
 """What the default test suite spends its time on, grouped by what each test starts.
 
-    python scripts/test_costs.py [--out results/test_costs.csv] [-- pytest args]
+    python scripts/test_costs.py [--out results/test_costs.csv] [--beside-busy] [-- pytest args]
 
 Runs `python -m pytest` (the default suite, plus any pytest args) with PA_TEST_COSTS set, so that
 tests/conftest.py records each test's setup + call + teardown seconds and what it started (a Ray
@@ -37,7 +37,7 @@ GROUPS = [("torchrun ranks", "subprocess_torchrun"), ("a vLLM engine worker", "v
           ("nothing (in-process)", None)]
 COUNTS = ["ray", "engine_workers", "vllm_workers", "subprocess_torchrun", "subprocess_cli", "subprocess_script",
           "subprocess_other"]
-COLUMNS = ["test", "group", "seconds", "outcome", *COUNTS, "suite_wall_s", "pytest_args", "cpu", "cores",
+COLUMNS = ["test", "group", "seconds", "outcome", *COUNTS, "suite_wall_s", "pytest_args", "load", "cpu", "cores",
            "git_commit"]
 
 
@@ -71,6 +71,8 @@ def group_of(t: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "results" / "test_costs.csv"))
+    ap.add_argument("--beside-busy", action="store_true",
+                    help="run a CPU-bound process (one core's worth) beside the suite, as a shared machine has")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
@@ -79,15 +81,22 @@ def main() -> None:
     commit = git_commit()
     with tempfile.TemporaryDirectory() as tmp:
         record = Path(tmp) / "costs.jsonl"
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.beside_busy else None
         t0 = time.time()
-        rc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args.pytest_args], cwd=ROOT,
-                            env={**os.environ, "PA_TEST_COSTS": str(record)}).returncode
-        wall = time.time() - t0
-        records = [json.loads(line) for line in record.read_text().splitlines()]
+        try:
+            rc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args.pytest_args],
+                                cwd=ROOT, env={**os.environ, "PA_TEST_COSTS": str(record)}).returncode
+        finally:
+            wall = time.time() - t0
+            if busy is not None:
+                busy.kill()
+        records = [json.loads(line) for f in sorted(Path(tmp).glob("costs.jsonl*"))  # .gw0, .gw1 under xdist
+                   for line in f.read_text().splitlines()]
     tests = per_test(records)
     rows = [{"test": name, "group": group_of(t), "seconds": round(t["seconds"], 2), "outcome": t.get("outcome", ""),
              **{k: int(t[k]) for k in COUNTS}, "suite_wall_s": round(wall, 1),
-             "pytest_args": " ".join(args.pytest_args), "cpu": cpu_name(), "cores": os.cpu_count(), "git_commit": commit}
+             "pytest_args": " ".join(args.pytest_args), "load": "one CPU-bound process" if busy else "quiet",
+             "cpu": cpu_name(), "cores": os.cpu_count(), "git_commit": commit}
             for name, t in sorted(tests.items(), key=lambda x: -x[1]["seconds"])]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

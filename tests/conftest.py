@@ -140,6 +140,20 @@ def worker_weights(engine) -> list[dict]:
     return ray.get([w.__ray_call__.remote(get) for w in engine.workers])
 
 
+# --- the order: the longest modules first (under pytest-xdist, whole modules go to whichever worker is free:
+# longest first keeps one long module from running alone at the end) -------------------------------------------
+
+LONGEST_FIRST = ["test_engine", "test_vllm", "test_distributed", "test_prepare", "test_multinode", "test_pipeline",
+                 "test_cli", "test_sft", "test_simulate", "test_engine_faults", "test_notebooks", "test_affinity",
+                 "test_checkpoint", "test_security", "test_trl_api"]
+"""Modules by their measured time in the default suite (results/test_costs.csv), longest first."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's own order is kept
+
+
 # --- what each test starts, and its time (PA_TEST_COSTS=<file.jsonl>; scripts/test_costs.py reads it) ---
 
 def _count_starts(counts: dict) -> None:
@@ -183,10 +197,13 @@ _COSTS = {"counts": None, "file": None}
 
 def pytest_sessionstart(session):
     path = os.environ.get("PA_TEST_COSTS")
+    if path and getattr(session.config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        return  # pytest-xdist's controller: the workers record their own tests
     if path:
         from collections import Counter
 
-        _COSTS["counts"], _COSTS["file"] = Counter(), open(path, "w")
+        worker = os.environ.get("PYTEST_XDIST_WORKER")  # under pytest-xdist: one file per worker process
+        _COSTS["counts"], _COSTS["file"] = Counter(), open(f"{path}.{worker}" if worker else path, "w")
         _count_starts(_COSTS["counts"])
 
 
