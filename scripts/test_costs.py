@@ -9,10 +9,10 @@ test, each with the suite's wall time, the commit, the CPU and the pytest argume
 `scripts/update_readme.py` renders the grouped table into docs/reproduce.md.
 
 A test's group is the first it belongs to, in the order of `GROUPS`: torchrun ranks, a vLLM engine
-worker, a subprocess of `python -m periodic_async`, another script, other subprocesses (reward
-worker, multiprocessing ranks, vLLM's engine core), a Ray instance started, Ray engine workers
-started (the built-in batcher), none of these (in-process). A module- or session-scoped fixture's
-start-up falls on the first test that uses it.
+worker, a subprocess of `python -m periodic_async`, another script, a Ray instance started, Ray
+engine workers started (the built-in batcher), other subprocesses (the reward worker,
+multiprocessing trainer ranks, vLLM's engine core), none of these (in-process). A module- or
+session-scoped fixture's start-up falls on the first test that uses it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = [("torchrun ranks", "subprocess_torchrun"), ("a vLLM engine worker", "vllm_workers"),
           ("a `python -m periodic_async` subprocess", "subprocess_cli"), ("a script subprocess", "subprocess_script"),
-          ("other subprocesses (reward worker, ranks, vLLM engine core)", "subprocess_other"),
           ("a Ray instance", "ray"), ("Ray engine workers (built-in batcher)", "engine_workers"),
+          ("other subprocesses (reward worker, trainer ranks, vLLM's engine core)", "subprocess_other"),
           ("nothing (in-process)", None)]
 COUNTS = ["ray", "engine_workers", "vllm_workers", "subprocess_torchrun", "subprocess_cli", "subprocess_script",
           "subprocess_other"]
@@ -73,8 +73,19 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results" / "test_costs.csv"))
     ap.add_argument("--beside-busy", action="store_true",
                     help="run a CPU-bound process (one core's worth) beside the suite, as a shared machine has")
+    ap.add_argument("--regroup", action="store_true", help="recompute the group column of --out from its counts")
     ap.add_argument("pytest_args", nargs="*")
     args = ap.parse_args()
+    if args.regroup:
+        with open(args.out, newline="") as f:
+            rows = list(csv.DictReader(f))
+        for r in rows:
+            r["group"] = group_of({k: float(r[k]) for k in COUNTS})
+        with open(args.out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        return
     sys.path.insert(0, str(ROOT / "src"))
     from periodic_async.config import git_commit
 

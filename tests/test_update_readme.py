@@ -31,13 +31,15 @@ def _write(path: Path, rows: list[tuple[str, int, datetime]], quick: int, cpu: s
 def _render(tmp_path: Path, results: Path) -> dict[str, Path]:
     """update_readme.py on copies of the rendered documents (the repository's stay untouched)."""
     docs = {name: tmp_path / Path(name).name for name in ("README.md", "docs/results.md", "docs/reproduce.md",
-                                                           "docs/gpu.md", "docs/scaling.md", "docs/usage.md")}
+                                                           "docs/gpu.md", "docs/scaling.md", "docs/usage.md",
+                                                           "docs/trl.md")}
     for name, copy in docs.items():
         shutil.copy(ROOT / name, copy)
     subprocess.run([sys.executable, "scripts/update_readme.py", "--results", str(results),
                     "--readme", str(docs["README.md"]), "--tables", str(docs["docs/results.md"]),
                     "--reproduce", str(docs["docs/reproduce.md"]), "--gpu", str(docs["docs/gpu.md"]),
-                    "--scaling", str(docs["docs/scaling.md"]), "--usage", str(docs["docs/usage.md"])],
+                    "--scaling", str(docs["docs/scaling.md"]), "--usage", str(docs["docs/usage.md"]),
+                    "--trl", str(docs["docs/trl.md"])],
                    cwd=ROOT, check=True)
     return docs
 
