@@ -11,6 +11,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray starts workers at nice 15 unless this is set before its nodes start (init_ray sets it too): beside a
+# busy process such workers starve (engine workers took minutes to start beside one CPU-bound process)
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 from pathlib import Path  # noqa: E402
 
