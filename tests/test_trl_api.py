@@ -169,6 +169,9 @@ def test_bad_dataset_and_reward_are_one_line(tmp_path, model_dir):
     with pytest.raises(ConfigError, match="accuracy"):  # held-out evaluation needs an accuracy
         GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path),
                     train_dataset=Dataset.from_list([{"prompt": "a"}]), eval_dataset=Dataset.from_list([{"prompt": "b"}]))
+    with pytest.raises(DataError, match="max_prompt_length=3"):  # checked at start-up, never cut
+        GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path, max_prompt_length=3),
+                    train_dataset=_dataset(False)).train()
     with pytest.raises(ConfigError, match="peft_config"):
         GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path), train_dataset=_dataset(False),
                     peft_config={"r": 8})

@@ -628,11 +628,11 @@ class GRPOTrainer:
 
     def _check_prompt_lengths(self, cfg: RunConfig) -> None:
         from periodic_async.data import encode_prompts
-        from periodic_async.data.tokenizer import load_tokenizer
+        from periodic_async.data.tokenizer import ensure_tokenizer, load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.model.name_or_path) if Path(cfg.model.name_or_path).is_dir() else None
-        if tokenizer is None:
-            return
+        model_dir = Path(cfg.model.name_or_path)  # the tokenizer the run uses (model.load_policy's rule)
+        tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file() else \
+            ensure_tokenizer(cfg.model.tokenizer)
         limit = self.args.max_prompt_length
         for what, examples in (("train_dataset", self.train_examples), ("eval_dataset", self.eval_examples)):
             for i, ids in enumerate(encode_prompts(tokenizer, examples)):
