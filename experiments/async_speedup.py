@@ -28,6 +28,11 @@ left when generation ends), mean_train_thread_cpu_s (the trainer thread's CPU se
 busy time)), figures/timeline.png (the paper's Figure 1 from the last round's runs; traces kept
 in <results>/timeline/), figures/async_speedup.png; with a tag, each name carries it
 (async_speedup_real.csv, timeline_real/, ...).
+
+`real-model` also runs sync-separated and periodic-async without the shared prompt
+(algorithm.shared_prompt=false), in the same interleaved rounds, and writes the paper's combined
+claim to <results>/shared_async_real.csv: shared prompt alone, asynchrony alone and both against
+per-response sync-separated, each with its own bound, and their product (combined_rows).
 """
 
 from __future__ import annotations
@@ -61,12 +66,46 @@ SETTINGS = {  # name: (config, output tag, overrides, {mode: overrides replacing
         "sync-separated": ["algorithm.micro_batch_tokens=4096"],
         "sync-colocated": ["trainer.threads=2", "engine.threads_per_worker=2", "algorithm.micro_batch_tokens=4096"]}),
 }
+PER_RESPONSE = {"real-model"}
+"""Settings that also run sync-separated and periodic-async with algorithm.shared_prompt=false, in the
+same interleaved rounds: the paper's combined claim (shared prompt alone, asynchrony alone, both)
+on one workload, written to shared_async_<tag>.csv in experiments/shared_async.py's format."""
 QUICK = {  # the same code paths at the smallest size
     "cpu-tuned": ["trainer.iterations=2", "algorithm.prompts_per_iteration=8", "algorithm.group_size=4",
                   "data.num_train=1000"],
     "real-model": ["trainer.iterations=2", "algorithm.prompts_per_iteration=2", "algorithm.group_size=2",
                    "engine.max_tokens=8", "data.num_train=100"],
 }
+
+
+SHARED_ASYNC_COLUMNS = ["shared_prompt", "mode", "tokens_per_s", "speedup", "mean_generate_s", "mean_train_s",
+                        "tokens_per_s_min", "tokens_per_s_max", "speedup_min", "speedup_max", "bound", "efficiency",
+                        "repeats", "git_commit", "config_hash", "settings"]
+
+
+def combined_rows(shared: dict, per_response: dict) -> list[dict]:
+    """The 2x2 grid {per-response, shared prompt} x {sync-separated, periodic-async}: tokens/s
+    against per-response sync-separated (ratio of medians; min/max from same-round ratios), each
+    row's asynchrony bound from its own sync-separated phases, and a last row `product` = the
+    shared-only speedup x the async-only speedup (the paper: the two multiply)."""
+    base = per_response["sync-separated"]
+    tps = lambda r: r.stats("tokens_per_s").median  # noqa: E731
+    rows = []
+    for is_shared, grid in ((False, per_response), (True, shared)):
+        alone = grid["sync-separated"]
+        bound = overlap_bound(alone.stats("mean_generate_s").median, alone.stats("mean_train_s").median)
+        for mode in MODES[:2]:
+            r, paired = grid[mode], grid[mode].ratio(base)
+            own = tps(r) / tps(alone)
+            rows.append({"shared_prompt": is_shared, "mode": mode, **r.row(["tokens_per_s"], 1),
+                         "speedup": round(tps(r) / tps(base), 3), "speedup_min": round(paired.min, 3),
+                         "speedup_max": round(paired.max, 3),
+                         **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s")},
+                         "bound": round(bound, 3), "efficiency": round(own / bound, 3) if mode != "sync-separated" else "",
+                         **r.provenance()})
+    product = (tps(shared["sync-separated"]) / tps(base)) * (tps(per_response["periodic-async"]) / tps(base))
+    rows.append({"mode": "product", "speedup": round(product, 3)})
+    return rows
 
 
 def main(argv=None) -> list[dict]:
@@ -104,10 +143,17 @@ def main(argv=None) -> list[dict]:
         cfg = load_config(RunConfig, config, setting_overrides + extra + mode_overrides.get(mode, MODE_OVERRIDES[mode])
                           + args.overrides + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{mode}"])
         systems.append(System(mode, lambda cfg=cfg: run(cfg, engine=engines.get(cfg)), cfg))
+    if args.settings in PER_RESPONSE:
+        for mode in MODES[:2]:
+            cfg = load_config(RunConfig, config, setting_overrides + extra + mode_overrides.get(mode, MODE_OVERRIDES[mode])
+                              + args.overrides + ["algorithm.shared_prompt=false", f"pipeline.mode={mode}",
+                                                  f"trainer.output_dir={args.runs}/{name}/per-response-{mode}"])
+            systems.append(System(f"per-response-{mode}", lambda cfg=cfg: run(cfg, engine=engines.get(cfg)), cfg))
     try:
         res = measure(systems, repeats=repeats, ignore_settings=("trainer.output_dir",))
     finally:
         engines.close()
+    per_response = {m: res.pop(f"per-response-{m}") for m in MODES[:2] if f"per-response-{m}" in res}
     sync, asyn = res["sync-separated"], res["periodic-async"]
     t_gen, t_train = sync.stats("mean_generate_s").median, sync.stats("mean_train_s").median
     bound = overlap_bound(t_gen, t_train)
@@ -141,6 +187,8 @@ def main(argv=None) -> list[dict]:
                "devices": r.runs[0]["devices"], "repeats": r.repeats, "git_commit": r.provenance()["git_commit"],
                "config_hash": r.config_hash} for m, r in res.items()]
     write_csv(out / f"{name}_phases.csv", phases)
+    if per_response:
+        write_csv(out / f"shared_async_{tag}.csv", combined_rows(res, per_response), SHARED_ASYNC_COLUMNS)
     timeline = []
     for m in ("sync-separated", "periodic-async"):  # keep the last round's traces: the notebook redraws from results/
         trace = out / ("timeline" if not tag else f"timeline_{tag}") / f"{m}.trace.jsonl"

@@ -14,13 +14,14 @@ python experiments/reward_curves.py --config experiments/reward_curves_real.yaml
   --results "${RESULTS_DIR:-results}" "$@"
 # Reward against wall-clock time, in the deployment where asynchrony pays (async_speedup_real.yaml:
 # one vLLM worker on one core, the trainer on the other, each for the whole iteration): the two
-# on-policy modes from one seed sample the same tokens, so they draw one curve; the time axis
+# on-policy modes from one seed sample the same tokens, so they draw one curve (B=8 prompts of up
+# to 96 tokens: answers that fit, so that accuracy can rise); the time axis
 # shows which reaches each point sooner (figures/reward_curves_real_time_wallclock.png). About 30 minutes.
 time_quick=(); [ "${QUICK:-0}" != 0 ] && time_quick=(--quick trainer.iterations=2 trainer.eval_every=1
                                                    data.num_eval=4 algorithm.prompts_per_iteration=2)
 python experiments/reward_curves.py --config experiments/async_speedup_real.yaml --tag real_time \
   --modes sync-separated,periodic-async trainer.iterations=10 trainer.eval_every=5 trainer.eval_at_end=true \
-  data.num_eval=100 algorithm.lr=2.0e-5 "${time_quick[@]}" --results "${RESULTS_DIR:-results}" "$@"
+  data.num_eval=100 algorithm.lr=2.0e-5 algorithm.prompts_per_iteration=8 engine.max_tokens=96 "${time_quick[@]}" --results "${RESULTS_DIR:-results}" "$@"
 # The same phase costs in the simulator: what 1, 2, 4 and 8 engine workers beside the same trainer
 # would give (simulated: a prediction, labelled so in the CSV).
 python experiments/real_model_prediction.py --runs runs/reward_curves/reward_curves_real_time \

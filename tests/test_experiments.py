@@ -44,7 +44,8 @@ def test_async_speedup_quick(tmp_path, tokenizer_dir):
 @pytest.mark.slow
 def test_async_speedup_real_model_quick(tmp_path):
     """`--settings real-model`: SmolLM2-135M-Instruct on a vLLM worker, each phase on its own core
-    (the runs' run_info.json say which), the phases' head, tail and push in the phases CSV."""
+    (the runs' run_info.json say which), the phases' head, tail and push in the phases CSV, and the
+    per-response runs beside them give the shared-prompt x asynchrony grid with its product."""
     import importlib.util
     import json
 
@@ -64,6 +65,13 @@ def test_async_speedup_real_model_quick(tmp_path):
     cores = json.loads((tmp_path / "runs" / "async_speedup_real" / "periodic-async" / "run_info.json").read_text())
     engines, trainer = cores["cpu_affinity"]["engines_actual"], cores["cpu_affinity"]["trainer_actual"]
     assert len(engines) == 1 and not set(engines[0]) & set(trainer)  # the vLLM worker and the trainer apart
+    # the combined claim from the same rounds: per-response and shared, each mode, and the product
+    grid = _rows(tmp_path / "shared_async_real.csv")
+    assert [(r["shared_prompt"], r["mode"]) for r in grid] == [
+        ("False", "sync-separated"), ("False", "periodic-async"), ("True", "sync-separated"),
+        ("True", "periodic-async"), ("", "product")]
+    assert float(grid[0]["speedup"]) == 1.0 and grid[2]["tokens_per_s"] == rows["sync-separated"]["tokens_per_s"]
+    assert float(grid[-1]["speedup"]) == pytest.approx(float(grid[1]["speedup"]) * float(grid[2]["speedup"]), abs=2e-3)
 
 
 @pytest.mark.slow
