@@ -12,6 +12,7 @@ Captions cite the paper's numbers.
 """
 
 import argparse
+import ast
 import csv
 import re
 from pathlib import Path
@@ -83,6 +84,14 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
                      "sync-separated; `product` = shared-only x async-only (paper: ~8x and ~2x, multiplicative).",
                      ["shared_prompt", "mode", "tokens_per_s", "speedup", "speedup_min", "speedup_max",
                       "mean_generate_s", "mean_train_s", "mean_prompt_tokens", "repeats"]),
+    "shared_async_real": ("shared_async_real.csv", "experiments/async_speedup.sh --settings real-model",
+                          "The same grid on SmolLM2-135M-Instruct, from the real-model rounds above (zero-shot "
+                          "prompts, one vLLM worker on one core, the trainer on the other); speedups against "
+                          "per-response sync-separated; `bound` = (T_gen + T_train) / max(T_gen, T_train) of that "
+                          "row's sync-separated phases, `efficiency` = the row's speedup over its own sync-separated "
+                          "/ bound; `product` = shared-only x async-only.",
+                          ["shared_prompt", "mode", "tokens_per_s", "speedup", "speedup_min", "speedup_max",
+                           "mean_generate_s", "mean_train_s", "bound", "efficiency", "repeats", "git_commit"]),
     "reward_curves": ("reward_curves_summary.csv", "experiments/reward_curves.sh",
                       "Held-out greedy accuracy (eval_n problems, ± binomial standard error) before and after "
                       "RL from the RL base policy (experiments/rl_base.yaml), three modes from one seed; `gain` "
@@ -210,6 +219,10 @@ def _shared_async(rows):
             f"(product of the two alone {_x(product['speedup'])}), 4-shot prompts")
 
 
+def _shared_async_real(rows):
+    return _shared_async(rows).replace("4-shot prompts", "SmolLM2-135M-Instruct, zero-shot prompts")
+
+
 def _reward_curves(rows):
     def acc(r):
         se = f" ± {float(r['eval_stderr']):.3f}" if r.get("eval_stderr") else ""
@@ -327,6 +340,8 @@ CLAIMS = [  # (claim, paper value, results CSV, ours(rows) -> str, command)
      "bash experiments/shared_prompt_ablation.sh"),
     ("Shared prompts and asynchrony combine", "~8x and ~2x, multiplicative", "shared_async.csv", _shared_async,
      "bash experiments/shared_async.sh"),
+    ("The same on a pretrained model (SmolLM2-135M-Instruct, vLLM)", "~8x and ~2x, multiplicative",
+     "shared_async_real.csv", _shared_async_real, "bash experiments/async_speedup.sh --settings real-model"),
     ("Figure 1: training starts at the first finished request, in completion order",
      "order 4,2,6,3,5,1,8,7,9,10; two async steps in about one sync step", "fig1_timeline.csv", _fig1,
      "bash experiments/fig1_timeline.sh"),
@@ -712,6 +727,60 @@ def test_costs(results: Path, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def _marks(decorators) -> set[str]:
+    """The pytest marks named by a function's decorators (`@pytest.mark.slow` -> 'slow')."""
+    names = set()
+    for d in decorators:
+        node = d.func if isinstance(d, ast.Call) else d
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "mark":
+            names.add(node.attr)
+    return names
+
+
+def _partly_slow(decorators) -> bool:
+    """A parametrize decorator with a `pytest.param(..., marks=pytest.mark.slow)` case."""
+    return any("marks=pytest.mark.slow" in ast.unparse(d) for d in decorators if "parametrize" in ast.unparse(d))
+
+
+def _first_sentence(doc: str) -> str:
+    text = " ".join(doc.split())
+    match = re.match(r"(.+?[a-z0-9)`'\]]\.)(\s+[A-Z(`]|$)", text)  # not at "e.g. x" or "1.5"
+    return match.group(1) if match else text
+
+
+def default_claims(tests: Path) -> str:
+    """Every test the default suite runs (not marked slow or gpu, module marks included), by module,
+    with the first sentence of its docstring: what the default suite checks. Read from the source
+    (ast), so that rendering runs no test; a test with slow parameter cases says so."""
+    lines, count = [], 0
+    for path in sorted(tests.glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_marks = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
+                module_marks |= {m for m in ("slow", "gpu") if f"mark.{m}" in ast.unparse(node.value)}
+        if module_marks:
+            continue
+        funcs = [(None, n) for n in tree.body if isinstance(n, ast.FunctionDef)]
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.startswith("Test")):
+            funcs += [(cls.name, n) for n in cls.body if isinstance(n, ast.FunctionDef)]
+        items = []
+        for cls, fn in funcs:
+            if not fn.name.startswith("test_") or _marks(fn.decorator_list) & {"slow", "gpu"}:
+                continue
+            doc = ast.get_docstring(fn)
+            name = f"{cls}.{fn.name}" if cls else fn.name
+            slow = " (its slow cases run with `-m slow`)" if _partly_slow(fn.decorator_list) else ""
+            items.append(f"  - `{name}`" + (f": {_first_sentence(doc)}" if doc else "") + slow)
+        if items:
+            lines.append(f"- `{path.relative_to(tests.parent)}` ({len(items)})")
+            lines += items
+            count += len(items)
+    return (f"{count} test functions run by default (parametrized cases counted once), each with the first "
+            f"sentence of its docstring; the suite's full text is its tests.\n\n<details><summary>The list"
+            f"</summary>\n\n" + "\n".join(lines) + "\n\n</details>")
+
+
 def _experiments(run_all: Path) -> list[str]:
     """The EXPERIMENTS array of run_all.sh, in its order."""
     match = re.search(r"^EXPERIMENTS=\((.*?)\)", run_all.read_text(), flags=re.S | re.M)
@@ -772,7 +841,8 @@ def main() -> None:
     render(Path(args.usage), {"soak": soak_story(results)})
     render(Path(args.trl), {"trl_fields": trl_fields(), "trl_dropin": trl_dropin(results)})
     render(Path(args.reproduce), {"run_all_times": times_table(results, _experiments(Path("run_all.sh"))),
-                                  "test_costs": test_costs(results)})
+                                  "test_costs": test_costs(results),
+                                  "default_claims": default_claims(Path("tests"))})
 
 
 if __name__ == "__main__":

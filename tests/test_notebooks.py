@@ -9,7 +9,6 @@ there afterwards are the ones the notebooks can redraw."""
 import re
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,29 +19,39 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
-    """Execute every notebook once in the scratch layout; returns (scratch root, {name: error})."""
+    """Execute every notebook once in the scratch layout; returns (scratch root, {name: error}).
+
+    One kernel runs them one after another (a kernel's start and its imports cost seconds each),
+    back in notebooks/, its figures closed and its namespace wiped (`%reset -f`) before each
+    notebook: a notebook that leans on a name another one defined fails as it would alone."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
+    from jupyter_client.manager import AsyncKernelManager  # nbclient's own kind
+    from nbclient.util import run_sync
+
     scratch = tmp_path_factory.mktemp("repo")
     for name in ("results", "src"):
         (scratch / name).symlink_to(ROOT / name)
     (scratch / "figures").mkdir()
     shutil.copytree(ROOT / "notebooks", scratch / "notebooks")
     errors, seconds = {}, {}
-
-    def execute(path: Path) -> None:
-        nb = nbformat.read(path, as_version=4)
-        t0 = time.time()
-        try:
-            nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
-                                    resources={"metadata": {"path": str(path.parent)}}).execute()
-        except Exception as e:  # noqa: BLE001 - report every notebook, not only the first failure
-            plain = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # the kernel's traceback, without colours
-            errors[path.name] = f"{type(e).__name__}: {plain[-1500:]}"
-        seconds[path.name] = round(time.time() - t0, 1)
-
-    with ThreadPoolExecutor(max_workers=3) as pool:  # each notebook has its own kernel process
-        list(pool.map(execute, sorted((scratch / "notebooks").glob("*.ipynb"))))
+    km = AsyncKernelManager(kernel_name="python3")
+    run_sync(km.start_kernel)(cwd=str(scratch / "notebooks"))
+    try:
+        for path in sorted((scratch / "notebooks").glob("*.ipynb")):
+            nb = nbformat.read(path, as_version=4)
+            nb.cells.insert(0, nbformat.v4.new_code_cell(  # as a fresh kernel: in notebooks/, nothing defined
+                f"import os, matplotlib.pyplot\nos.chdir({str(path.parent)!r})\nmatplotlib.pyplot.close('all')\n"
+                "%reset -f"))
+            t0 = time.time()
+            try:
+                nbclient.NotebookClient(nb, km=km, timeout=120).execute()
+            except Exception as e:  # noqa: BLE001 - report every notebook, not only the first failure
+                plain = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # the kernel's traceback, without colours
+                errors[path.name] = f"{type(e).__name__}: {plain[-1500:]}"
+            seconds[path.name] = round(time.time() - t0, 1)
+    finally:
+        run_sync(km.shutdown_kernel)(now=True)
     print(f"notebook seconds: {seconds}")
     return scratch, errors
 

@@ -158,6 +158,22 @@ def test_the_committed_documents_are_rendered_from_the_committed_results(tmp_pat
         assert copy.read_text() == (ROOT / name).read_text(), f"{name}: run python scripts/update_readme.py"
 
 
+def test_default_claims_list_the_default_suite_and_leave_out_slow_and_gpu_tests(tmp_path):
+    """docs/reproduce.md's list of what the default suite checks: a default test with its
+    docstring's first sentence, a test marked slow left out, a module marked gpu left out, a
+    test with slow parameter cases listed and marked so; its count is the number of items."""
+    text = _block(_render(tmp_path, Path("results"))["docs/reproduce.md"].read_text(), "default_claims")
+    items = re.findall(r"^  - `([\w.]+)`(.*)$", text, flags=re.M)
+    names = dict(items)
+    assert int(re.match(r"(\d+) test functions", text).group(1)) == len(items)
+    assert names["test_paired_gain_stderr"] == (": The gain's paired standard error is sd(d)/sqrt(n) over "
+                                                 "per-problem differences d.")
+    assert "test_async_speedup_real_model_quick" not in names  # @pytest.mark.slow
+    assert "tests/test_gpu.py" not in text  # pytestmark = [pytest.mark.gpu, ...]
+    assert names["test_sigterm_leaves_no_processes"].endswith("(its slow cases run with `-m slow`)")
+    assert "TestObjectStoreSync.test_engines_on_two_nodes_match_one_node" in names
+
+
 def test_reward_story_reads_the_curves(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
