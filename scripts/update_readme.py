@@ -776,8 +776,8 @@ def default_claims(tests: Path) -> str:
             lines.append(f"- `{path.relative_to(tests.parent)}` ({len(items)})")
             lines += items
             count += len(items)
-    return (f"{count} test functions run by default (parametrized cases counted once), each with the first "
-            f"sentence of its docstring; the suite's full text is its tests.\n\n<details><summary>The list"
+    return (f"{count} test functions run by default on a CPU (parametrized cases counted once; the tests marked "
+            f"`gpu`, which skip without CUDA, are not listed), each with the first sentence of its docstring.\n\n<details><summary>The list"
             f"</summary>\n\n" + "\n".join(lines) + "\n\n</details>")
 
 

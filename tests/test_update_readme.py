@@ -169,7 +169,7 @@ def test_default_claims_list_the_default_suite_and_leave_out_slow_and_gpu_tests(
     assert names["test_paired_gain_stderr"] == (": The gain's paired standard error is sd(d)/sqrt(n) over "
                                                  "per-problem differences d.")
     assert "test_async_speedup_real_model_quick" not in names  # @pytest.mark.slow
-    assert "tests/test_gpu.py" not in text  # pytestmark = [pytest.mark.gpu, ...]
+    assert "- `tests/test_gpu.py`" not in text and "- `tests/test_grpo.py`" in text  # pytestmark = [pytest.mark.gpu, ...]
     assert names["test_sigterm_leaves_no_processes"].endswith("(its slow cases run with `-m slow`)")
     assert "TestObjectStoreSync.test_engines_on_two_nodes_match_one_node" in names
 
