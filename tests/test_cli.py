@@ -6,32 +6,29 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def test_bad_data_path_is_one_line_and_debug_shows_the_traceback(tmp_path, tokenizer_dir):
+def test_bad_data_path_is_one_line_and_debug_shows_the_traceback(tmp_path, tokenizer_dir, capsys, monkeypatch):
+    """A real `python -m periodic_async` process: exit 1, nothing on stdout, one line on stderr.
+    With --debug or PERIODIC_ASYNC_DEBUG=1 the error leaves main() instead (Python prints its
+    traceback); those two run in this process (a process start proves nothing more there)."""
     missing = tmp_path / "missing.jsonl"
-    base = [sys.executable, "-m", "periodic_async", "train", f"data.source={missing}",
-            f"model.tokenizer={tokenizer_dir}", f"trainer.output_dir={tmp_path / 'run'}",
-            "logging.wandb_mode=disabled", "logging.progress=false"]
+    args = ["train", f"data.source={missing}", f"model.tokenizer={tokenizer_dir}",
+            f"trainer.output_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled", "logging.progress=false"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
            "PYTHONWARNINGS": "ignore"}
     env.pop("PERIODIC_ASYNC_DEBUG", None)
-    runs = {"plain": subprocess.Popen(base, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True),
-            "debug": subprocess.Popen(base + ["--debug"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True),
-            "env": subprocess.Popen(base, cwd=tmp_path, env={**env, "PERIODIC_ASYNC_DEBUG": "1"},
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)}
-    out = {k: (p.communicate(timeout=600), p.returncode) for k, p in runs.items()}
-    (stdout, stderr), rc = out["plain"]
-    lines = [ln for ln in stderr.splitlines() if ln.strip()]
-    assert rc == 1 and stdout == ""
-    assert lines == [f"train: error: data.source {str(missing)!r} does not exist (--debug for the traceback)"], stderr
-    for k in ("debug", "env"):
-        (_, stderr), rc = out[k]
-        assert rc != 0
-        assert "Traceback (most recent call last)" in stderr and "FileNotFoundError" in stderr, stderr
+    plain = subprocess.run([sys.executable, "-m", "periodic_async", *args], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=600)
+    lines = [ln for ln in plain.stderr.splitlines() if ln.strip()]
+    assert plain.returncode == 1 and plain.stdout == ""
+    assert lines == [f"train: error: data.source {str(missing)!r} does not exist (--debug for the traceback)"], plain.stderr
+    for extra, debug_env in ((["--debug"], None), ([], "1")):
+        with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+            _cli(args + extra, tmp_path, capsys, monkeypatch, debug_env=debug_env)
 
 
 class _Exit:
@@ -41,10 +38,11 @@ class _Exit:
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def _cli(args: list[str], cwd: Path, capsys, monkeypatch) -> _Exit:
+def _cli(args: list[str], cwd: Path, capsys, monkeypatch, debug_env: str | None = None) -> _Exit:
     """The CLI's `main(ARGS)` as a user runs it (from `cwd`, debugging off), in this process: the
-    exit code and what it printed. (A subprocess proves nothing more here; the first test of this
-    file runs real processes.) The signal handlers and the log handler `main` installs are restored afterwards."""
+    exit code and what it printed (PERIODIC_ASYNC_DEBUG unset, or `debug_env`). (A subprocess
+    proves nothing more here; the first test of this file runs a real process.) The signal
+    handlers and the log handler `main` installs are restored afterwards."""
     import logging
     import signal
 
@@ -52,7 +50,10 @@ def _cli(args: list[str], cwd: Path, capsys, monkeypatch) -> _Exit:
     from periodic_async.interrupt import SIGNALS
 
     monkeypatch.chdir(cwd)
-    monkeypatch.delenv("PERIODIC_ASYNC_DEBUG", raising=False)
+    if debug_env is None:
+        monkeypatch.delenv("PERIODIC_ASYNC_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("PERIODIC_ASYNC_DEBUG", debug_env)
     handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
     log = logging.getLogger("periodic_async")
     monkeypatch.setattr(log, "handlers", list(log.handlers))  # main() adds one on this test's stderr
