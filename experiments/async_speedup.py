@@ -138,17 +138,16 @@ def main(argv=None) -> list[dict]:
         extra += QUICK.get(args.settings, QUICK["cpu-tuned"])
     init_ray(base.engine)
     engines = SharedEngines()
-    systems = []
-    for mode in MODES:
+
+    def system(label: str, mode: str, more: list[str]) -> System:
         cfg = load_config(RunConfig, config, setting_overrides + extra + mode_overrides.get(mode, MODE_OVERRIDES[mode])
-                          + args.overrides + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{mode}"])
-        systems.append(System(mode, lambda cfg=cfg: run(cfg, engine=engines.get(cfg)), cfg))
+                          + args.overrides + more
+                          + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{label}"])
+        return System(label, lambda: run(cfg, engine=engines.get(cfg)), cfg)
+
+    systems = [system(mode, mode, []) for mode in MODES]
     if args.settings in PER_RESPONSE:
-        for mode in MODES[:2]:
-            cfg = load_config(RunConfig, config, setting_overrides + extra + mode_overrides.get(mode, MODE_OVERRIDES[mode])
-                              + args.overrides + ["algorithm.shared_prompt=false", f"pipeline.mode={mode}",
-                                                  f"trainer.output_dir={args.runs}/{name}/per-response-{mode}"])
-            systems.append(System(f"per-response-{mode}", lambda cfg=cfg: run(cfg, engine=engines.get(cfg)), cfg))
+        systems += [system(f"per-response-{mode}", mode, ["algorithm.shared_prompt=false"]) for mode in MODES[:2]]
     try:
         res = measure(systems, repeats=repeats, ignore_settings=("trainer.output_dir",))
     finally:
