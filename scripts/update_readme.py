@@ -44,6 +44,10 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
     "async_balanced_run2": ("async_speedup_balanced_run2/async_speedup_balanced.csv",
                             "experiments/async_speedup.sh --settings balanced (RESULTS_DIR=results/async_speedup_balanced_run2)",
                             "The same balanced workload, a second full run from a clean commit.", ASYNC_COLUMNS + ["git_commit"]),
+    "async_balanced_run3": ("async_speedup_balanced_run3/async_speedup_balanced.csv",
+                            "experiments/async_speedup.sh --settings balanced (RESULTS_DIR=results/async_speedup_balanced_run3)",
+                            "A third full run from a clean commit (every mode's tokens/s lower than in the first two "
+                            "runs).", ASYNC_COLUMNS + ["git_commit"]),
     "phase_contention": ("phase_contention.csv", "experiments/async_speedup.sh",
                          "The two phases as bare processes on two cores (experiments/phase_contention.py): a trainer "
                          "loop and an engine loop, each alone on its core, both at once pinned apart, both at once "
