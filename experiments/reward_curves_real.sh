@@ -21,7 +21,8 @@ time_quick=(); [ "${QUICK:-0}" != 0 ] && time_quick=(--quick trainer.iterations=
                                                    data.num_eval=4 algorithm.prompts_per_iteration=2)
 python experiments/reward_curves.py --config experiments/async_speedup_real.yaml --tag real_time \
   --modes sync-separated,periodic-async trainer.iterations=10 trainer.eval_every=5 trainer.eval_at_end=true \
-  data.num_eval=100 algorithm.lr=2.0e-5 algorithm.prompts_per_iteration=8 engine.max_tokens=96 "${time_quick[@]}" --results "${RESULTS_DIR:-results}" "$@"
+  data.num_eval=100 algorithm.lr=2.0e-5 algorithm.prompts_per_iteration=8 engine.max_tokens=96 \
+  "${time_quick[@]}" --results "${RESULTS_DIR:-results}" "$@"
 # The same phase costs in the simulator: what 1, 2, 4 and 8 engine workers beside the same trainer
 # would give (simulated: a prediction, labelled so in the CSV).
 python experiments/real_model_prediction.py --runs runs/reward_curves/reward_curves_real_time \

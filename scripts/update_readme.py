@@ -214,17 +214,17 @@ def _shared(rows):
             f"{_x(top['token_bound'], 1)}); {min(effs):.2f}-{max(effs):.2f} of the bound over {len(split)} shapes")
 
 
-def _shared_async(rows):
+def _shared_async(rows, prompts: str = "4-shot prompts"):
     joint = next(r for r in rows if r["shared_prompt"] == "True" and r["mode"] == "periodic-async")
     shared = next(r for r in rows if r["shared_prompt"] == "True" and r["mode"] == "sync-separated")
     asyn = next(r for r in rows if r["shared_prompt"] == "False" and r["mode"] == "periodic-async")
     product = next(r for r in rows if r["mode"] == "product")
     return (f"shared {_x(shared['speedup'])}, async {_x(asyn['speedup'])}, both {_x(joint['speedup'])} "
-            f"(product of the two alone {_x(product['speedup'])}), 4-shot prompts")
+            f"(product of the two alone {_x(product['speedup'])}), {prompts}")
 
 
 def _shared_async_real(rows):
-    return _shared_async(rows).replace("4-shot prompts", "SmolLM2-135M-Instruct, zero-shot prompts")
+    return _shared_async(rows, prompts="SmolLM2-135M-Instruct, zero-shot prompts")
 
 
 def _reward_curves(rows):
@@ -743,7 +743,7 @@ def _marks(decorators) -> set[str]:
 
 def _partly_slow(decorators) -> bool:
     """A parametrize decorator with a `pytest.param(..., marks=pytest.mark.slow)` case."""
-    return any("marks=pytest.mark.slow" in ast.unparse(d) for d in decorators if "parametrize" in ast.unparse(d))
+    return any("parametrize" in text and "marks=pytest.mark.slow" in text for text in map(ast.unparse, decorators))
 
 
 def _first_sentence(doc: str) -> str:
@@ -759,12 +759,10 @@ def default_claims(tests: Path) -> str:
     lines, count = [], 0
     for path in sorted(tests.glob("test_*.py")):
         tree = ast.parse(path.read_text())
-        module_marks = set()
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
-                module_marks |= {m for m in ("slow", "gpu") if f"mark.{m}" in ast.unparse(node.value)}
-        if module_marks:
-            continue
+        if any(isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets)
+               and ("mark.slow" in ast.unparse(node.value) or "mark.gpu" in ast.unparse(node.value))
+               for node in tree.body):
+            continue  # the whole module is slow or gpu
         funcs = [(None, n) for n in tree.body if isinstance(n, ast.FunctionDef)]
         for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.startswith("Test")):
             funcs += [(cls.name, n) for n in cls.body if isinstance(n, ast.FunctionDef)]
@@ -781,8 +779,8 @@ def default_claims(tests: Path) -> str:
             lines += items
             count += len(items)
     return (f"{count} test functions run by default on a CPU (parametrized cases counted once; the tests marked "
-            f"`gpu`, which skip without CUDA, are not listed), each with the first sentence of its docstring.\n\n<details><summary>The list"
-            f"</summary>\n\n" + "\n".join(lines) + "\n\n</details>")
+            "`gpu`, which skip without CUDA, are not listed), each with the first sentence of its docstring.\n\n"
+            "<details><summary>The list</summary>\n\n" + "\n".join(lines) + "\n\n</details>")
 
 
 def _experiments(run_all: Path) -> list[str]:
