@@ -18,7 +18,7 @@ python experiments/reward_curves.py --config experiments/reward_curves_real.yaml
 # to 96 tokens: answers that fit, so that accuracy can rise); the time axis
 # shows which reaches each point sooner (figures/reward_curves_real_time_wallclock.png). About 30 minutes.
 time_quick=(); [ "${QUICK:-0}" != 0 ] && time_quick=(--quick trainer.iterations=2 trainer.eval_every=1
-                                                   data.num_eval=4 algorithm.prompts_per_iteration=2)
+                                                   data.num_eval=4 algorithm.prompts_per_iteration=2 engine.max_tokens=16)
 python experiments/reward_curves.py --config experiments/async_speedup_real.yaml --tag real_time \
   --modes sync-separated,periodic-async trainer.iterations=10 trainer.eval_every=5 trainer.eval_at_end=true \
   data.num_eval=100 algorithm.lr=2.0e-5 algorithm.prompts_per_iteration=8 engine.max_tokens=96 \

@@ -1,6 +1,7 @@
-"""Shared fixtures and helpers: an offline environment, one tokenizer built per test session, a
-Ray session per module, and the tiny training run the pipeline, checkpoint, fault and
-multi-node tests share (with what they read back: rollouts by prompt, checkpoint weights).
+"""Shared fixtures and helpers: an offline environment, one tokenizer built per test session, one
+Ray instance per test process (shared by the modules that use Ray), and the tiny training run
+the pipeline, checkpoint, fault and multi-node tests share (with what they read back: rollouts
+by prompt, checkpoint weights).
 Test modules import the helpers: `from conftest import tiny_run_config, ...`."""
 
 import os
@@ -48,15 +49,39 @@ def _one_torch_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session")
+def _ray_until_the_end():
+    """Shuts down the shared Ray instance (ray_session) when the test process ends."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def ray_session():
-    """A new local Ray session for one test module (shut down at its end). `address="local"`:
-    never join another cluster, such as one a `ray start` or a killed test left in
-    /tmp/ray/ray_current_cluster (ray.init() would join it, and refuse num_cpus)."""
+def ray_session(_ray_until_the_end):
+    """The test process's one local Ray instance, shared by the modules that ask for it (start-up
+    and shutdown cost about 8 s each): started by the engines' own `init_ray` (a new local
+    instance on the loopback interface, never another cluster), kept until the process ends.
+    An engine built while it runs joins it and leaves it running when closed. A module that needs
+    Ray down (one joining a cluster of its own) calls `stop_shared_ray()`; the next module that
+    asks starts it again."""
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    yield ray
-    ray.shutdown()
+    if not ray.is_initialized():
+        from periodic_async.config import EngineConfig
+        from periodic_async.engine.ray_engine import init_ray
+
+        init_ray(EngineConfig(backend="ray", num_workers=4))  # 4 CPUs: the placement tests' bundles fit
+    return ray
+
+
+def stop_shared_ray() -> None:
+    """Shut down this process's Ray instance (ray_session's), for a test that needs none running."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 # --- the tiny run: qwen2-1m in float64, 6 prompts x 3 samples of <= 12 tokens per iteration ---------

@@ -28,7 +28,7 @@ from periodic_async.pipeline import run
 from periodic_async.trace import read_jsonl
 
 from conftest import (DIVERSITY_REWARD, by_prompt, checkpoint_weights, diversity_reward, max_abs_diff, read_rollouts,
-                      tiny_run_config)
+                      stop_shared_ray, tiny_run_config)
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -260,6 +260,7 @@ def test_failure_while_starting_shuts_down_ray(tokenizer_dir, tmp_path, monkeypa
     import periodic_async.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "MetricsLogger", _FailsToStart)
+    stop_shared_ray()  # conftest.ray_session's, if an earlier module started it
     assert not ray.is_initialized()
     with pytest.raises(OSError, match="failed to start"):
         run(_cfg(tmp_path, tokenizer_dir, **{"engine.backend": "ray", "engine.num_workers": 1}))

@@ -25,7 +25,7 @@ from periodic_async.engine import make_engine  # noqa: E402
 from periodic_async.model import load_policy  # noqa: E402
 
 from conftest import (by_prompt, checkpoint_weights, engine_samples, max_abs_diff, read_rollouts,  # noqa: E402
-                      tiny_run_config, worker_weights)
+                      stop_shared_ray, tiny_run_config, worker_weights)
 
 NODE_STORE_BYTES = 100 * 2**20
 """Object store of each node (the machine is small and shared)."""
@@ -77,8 +77,7 @@ def cluster():
     """Head (0 CPU: nothing of ours can run there) + two 1-CPU worker nodes; torn down completely."""
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():  # another module's session: this one needs the driver free to join
-        ray.shutdown()
+    stop_shared_ray()  # another module's (conftest.ray_session): this one needs the driver free to join
     c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, object_store_memory=NODE_STORE_BYTES,
                                                           include_dashboard=False))
     session = c.head_node.get_session_dir_path()

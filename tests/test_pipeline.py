@@ -35,7 +35,7 @@ def _final_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def engine(tokenizer_dir, tmp_path_factory):
+def engine(ray_session, tokenizer_dir, tmp_path_factory):
     cfg = _cfg(tmp_path_factory.mktemp("e"), tokenizer_dir, "periodic-async")
     eng = make_engine(cfg.engine, cfg.model)
     yield eng

@@ -30,15 +30,13 @@ def _listening(processes) -> list[tuple[str, str, int]]:
     return out
 
 
-def test_local_ray_listens_on_loopback_only(tokenizer_dir):
+def test_local_ray_listens_on_loopback_only(ray_session, tokenizer_dir):
     psutil = pytest.importorskip("psutil")
-    import ray
+    ray = ray_session  # started in this process by the engines' init_ray (conftest), as a run starts it
 
     from periodic_async.config import EngineConfig, ModelConfig
     from periodic_async.engine.ray_engine import RayEngine
 
-    if ray.is_initialized():
-        pytest.skip("Ray is already running in this process (not started by this test)")
     engine = RayEngine(EngineConfig(num_workers=1, max_num_seqs=2),
                        ModelConfig(name_or_path="qwen2-micro", tokenizer=str(tokenizer_dir)))
     try:

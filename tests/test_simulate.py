@@ -175,7 +175,7 @@ def test_plan_command(capsys):
 # --- against real runs of this repository ----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def measured_runs(tokenizer_dir, tmp_path_factory):
+def measured_runs(ray_session, tokenizer_dir, tmp_path_factory):
     """Two tiny real runs (sync-separated, periodic-async; 1 Ray engine worker, 1 trainer thread),
     4 iterations each, the first left out: a few seconds each."""
     from periodic_async.config import RunConfig, load_config
