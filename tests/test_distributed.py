@@ -3,17 +3,20 @@ uneven (and empty) shares of an iteration's groups give the single-process updat
 lays policy / old / ref out alike so that refreshing old needs no communication, checkpoints
 written by 2 ranks (ddp, fsdp) are a single process's and resume in either (the uninterrupted
 run's tokens and weights), and a torchrun run of `python -m periodic_async train` follows the
-single-process run."""
+single-process run. The module's tests share two rank processes (`RankPool`): each test's rank
+function runs in them as torchrun's ranks would run it, without paying their start-up again."""
 
 import datetime
 import json
 import os
+import queue
 import random
 import re
 import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -74,14 +77,76 @@ def _join_ranks(rank: int, world: int, port: int) -> None:
     torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
 
 
-def _spawn(fn, args: tuple, world: int = 2, timeout_s: float = 600.0) -> None:
-    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
-    deadline = time.time() + timeout_s
-    while not ctx.join(timeout=1.0):
-        if time.time() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"ranks did not finish within {timeout_s} s (a deadlock?)")
+def _serve(rank: int, jobs, results) -> None:
+    """A rank process of `RankPool`: runs fn(rank, *args) for each job until it gets None, and
+    reports (rank, None) or (rank, the traceback); leaves no process group behind a job."""
+    torch.set_num_threads(1)
+    while (job := jobs.get()) is not None:
+        fn, args = job
+        try:
+            fn(rank, *args)
+            results.put((rank, None))
+        except BaseException:
+            results.put((rank, traceback.format_exc()))
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+
+class RankPool:
+    """`world` rank processes started once for the module (spawned, as torch.multiprocessing
+    starts them: each imports torch and transformers once) that run each test's rank function,
+    fn(rank, *args), at the same time. A rank that raises, dies or outlives the timeout fails the
+    test and the processes are killed; the next test starts new ones."""
+
+    def __init__(self, world: int = 2):
+        self.world, self.procs = world, []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.jobs, self.results = [ctx.Queue() for _ in range(self.world)], ctx.Queue()
+        self.procs = [ctx.Process(target=_serve, args=(r, self.jobs[r], self.results), daemon=True)
+                      for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args: tuple, timeout_s: float = 600.0) -> None:
+        if not (self.procs and all(p.is_alive() for p in self.procs)):
+            self.close()
+            self._start()
+        for q in self.jobs:
+            q.put((fn, args))
+        deadline, done = time.time() + timeout_s, set()
+        try:
+            while len(done) < self.world:
+                try:
+                    rank, error = self.results.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                    if dead:
+                        pytest.fail(f"rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode})")
+                    if time.time() > deadline:
+                        pytest.fail(f"ranks did not finish within {timeout_s} s (a deadlock?)")
+                    continue
+                if error:
+                    pytest.fail(f"rank {rank} raised:\n{error}")
+                done.add(rank)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.join()
+        self.procs = []
+
+
+@pytest.fixture(scope="module")
+def rank_pool():
+    pool = RankPool()
+    yield pool
+    pool.close()
 
 
 def _train_ranks(rank: int, world: int, port: int, tokenizer_dir: str, parallel: str, out: str) -> None:
@@ -111,11 +176,11 @@ def _single_process(tokenizer_dir) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_data_parallel_matches_single_process(tokenizer_dir, tmp_path, parallel):
+def test_data_parallel_matches_single_process(rank_pool, tokenizer_dir, tmp_path, parallel):
     """2 gloo ranks, 2 iterations: ranks take 3 + 1 groups, then 0 + 4 (rank 0 none), each rank
     in its own order; after each iteration's one reduction the weights equal the single-process
     run's on the same groups (fp64, <= 1e-10), and so do the iteration's token count and loss."""
-    _spawn(_train_ranks, (2, _free_port(), str(tokenizer_dir), parallel, str(tmp_path)))
+    rank_pool.run(_train_ranks, (2, _free_port(), str(tokenizer_dir), parallel, str(tmp_path)))
     single, single_metrics = _single_process(tokenizer_dir)
     start = build_model(_cfg(tokenizer_dir).model, load_tokenizer(tokenizer_dir)).state_dict()
     assert max((single[k] - start[k]).abs().max().item() for k in single) > 1e-3, "training must move the weights"
@@ -165,11 +230,11 @@ def _fsdp_layout(rank: int, world: int, port: int, tokenizer_dir: str, out: str)
     ranks.close()
 
 
-def test_fsdp_tri_model_layout(tokenizer_dir, tmp_path):
+def test_fsdp_tri_model_layout(rank_pool, tokenizer_dir, tmp_path):
     """FSDP2: every parameter of old and ref has the policy's placements and local shard shape
     (sharded: each rank holds part of it), and refresh_old, run by one rank at a time with the
     other outside any collective, copies the policy's local shards into old exactly."""
-    _spawn(_fsdp_layout, (2, _free_port(), str(tokenizer_dir), str(tmp_path)))
+    rank_pool.run(_fsdp_layout, (2, _free_port(), str(tokenizer_dir), str(tmp_path)))
     shards = []
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
@@ -264,7 +329,7 @@ def _tokens(out: Path, iteration: int) -> dict:
 
 # slow under FSDP (its sharded checkpoint); DDP is the default case
 @pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
-def test_resume_matches_uninterrupted(tokenizer_dir, tmp_path, parallel):
+def test_resume_matches_uninterrupted(rank_pool, tokenizer_dir, tmp_path, parallel):
     """Checkpoints are the single process's whatever the ranks and layout. 2 ranks train
     iterations 0..2 with a checkpoint after each (full); 2 new ranks resume from its
     checkpoint-2 (mid-run, written by 2 ranks) and from a checkpoint-2 written by one process;
@@ -280,7 +345,7 @@ def test_resume_matches_uninterrupted(tokenizer_dir, tmp_path, parallel):
     runs = [(str(tmp_path / "full"), {}),
             (str(tmp_path / "resumed"), {"trainer.resume": str(tmp_path / "full" / "checkpoint-2")}),
             (str(tmp_path / "from_one"), {"trainer.resume": str(one / "checkpoint-2")})]
-    _spawn(_pipeline_ranks, (2, [_free_port() for _ in runs], str(tokenizer_dir), parallel, runs))
+    rank_pool.run(_pipeline_ranks, (2, [_free_port() for _ in runs], str(tokenizer_dir), parallel, runs))
     full = tmp_path / "full"
     assert list(checkpoint.complete_checkpoints(full)) == [1, 2, 3]
     # devices: the trainer ranks (in-process engine: no engine devices)
