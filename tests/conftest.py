@@ -171,9 +171,9 @@ def worker_weights(engine) -> list[dict]:
 # --- the order: the longest modules first (under pytest-xdist, whole modules go to whichever worker is free:
 # longest first keeps one long module from running alone at the end) -------------------------------------------
 
-LONGEST_FIRST = ["test_vllm", "test_engine", "test_distributed", "test_multinode", "test_pipeline", "test_prepare",
-                 "test_sft", "test_checkpoint", "test_engine_faults", "test_simulate", "test_notebooks", "test_affinity",
-                 "test_bench", "test_trl_api", "test_security", "test_cli"]
+LONGEST_FIRST = ["test_vllm", "test_engine", "test_pipeline", "test_sft", "test_multinode", "test_prepare",
+                 "test_distributed", "test_bench", "test_notebooks", "test_checkpoint", "test_trl_api", "test_simulate",
+                 "test_engine_faults", "test_cli", "test_affinity", "test_update_readme", "test_security"]
 """Modules by their measured time in the default suite (results/test_costs.csv), longest first."""
 
 

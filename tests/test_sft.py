@@ -13,7 +13,7 @@ from periodic_async.sft import run_sft
 def test_short_sft_beats_untrained_model(tokenizer_dir, tmp_path):
     cfg = load_config(SFTRunConfig, None, [
         f"model.tokenizer={tokenizer_dir}", "data.min_steps=1", "data.max_steps=1", "data.max_operand=4",
-        "data.num_train=2000", "data.num_eval=40", "sft.max_steps=150", "sft.batch_size=32", "sft.lr=3e-3",
+        "data.num_train=2000", "data.num_eval=40", "sft.max_steps=90", "sft.batch_size=32", "sft.lr=3e-3",
         "sft.warmup_steps=10", "sft.threads=1", f"sft.output_dir={tmp_path / 'sft'}", "logging.wandb_mode=disabled"])
     # sft.threads=1: the suite's other test process keeps the second core busy, and two OpenMP threads
     # beside it trained about 3x slower than one (89 s against 31 s beside a CPU-bound process)
