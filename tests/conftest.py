@@ -49,14 +49,19 @@ def _one_torch_thread():
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def _ray_until_the_end():
-    """Shuts down the shared Ray instance (ray_session) when the test process ends."""
-    yield
+def stop_shared_ray() -> None:
+    """Shut down this process's Ray instance (ray_session's), for a test that needs none running."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def _ray_until_the_end():
+    """Shuts down the shared Ray instance (ray_session) when the test process ends."""
+    yield
+    stop_shared_ray()
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +79,6 @@ def ray_session(_ray_until_the_end):
 
         init_ray(EngineConfig(backend="ray", num_workers=4))  # 4 CPUs: the placement tests' bundles fit
     return ray
-
-
-def stop_shared_ray() -> None:
-    """Shut down this process's Ray instance (ray_session's), for a test that needs none running."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 # --- the tiny run: qwen2-1m in float64, 6 prompts x 3 samples of <= 12 tokens per iteration ---------

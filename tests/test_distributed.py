@@ -78,11 +78,11 @@ def _join_ranks(rank: int, world: int, port: int) -> None:
 
 
 def _serve(rank: int, jobs, results) -> None:
-    """A rank process of `RankPool`: runs fn(rank, *args) for each job until it gets None, and
-    reports (rank, None) or (rank, the traceback); leaves no process group behind a job."""
+    """A rank process of `RankPool` (killed by it): runs fn(rank, *args) for each job and reports
+    (rank, None) or (rank, the traceback); leaves no process group behind a job."""
     torch.set_num_threads(1)
-    while (job := jobs.get()) is not None:
-        fn, args = job
+    while True:
+        fn, args = jobs.get()
         try:
             fn(rank, *args)
             results.put((rank, None))
