@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 export WANDB_RUN_GROUP=reward_curves_real   # the W&B group of this experiment's runs
 python -m periodic_async prepare-model smollm2-135m
-quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick engine.max_tokens=16 data.num_train=200 data.num_eval=4
+quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick engine.max_tokens=8 data.num_train=200 data.num_eval=2
                                           algorithm.prompts_per_iteration=2 algorithm.group_size=2 trainer.iterations=2
                                           trainer.eval_every=2)
 python experiments/reward_curves.py --config experiments/reward_curves_real.yaml --tag real "${quick[@]}" \
@@ -17,8 +17,9 @@ python experiments/reward_curves.py --config experiments/reward_curves_real.yaml
 # on-policy modes from one seed sample the same tokens, so they draw one curve (B=8 prompts of up
 # to 96 tokens: answers that fit, so that accuracy can rise); the time axis
 # shows which reaches each point sooner (figures/reward_curves_real_time_wallclock.png). About 30 minutes.
-time_quick=(); [ "${QUICK:-0}" != 0 ] && time_quick=(--quick trainer.iterations=2 trainer.eval_every=1
-                                                   data.num_eval=4 algorithm.prompts_per_iteration=2 engine.max_tokens=16)
+time_quick=(); [ "${QUICK:-0}" != 0 ] && time_quick=(--quick trainer.iterations=2 trainer.eval_every=2
+                                                   data.num_eval=2 algorithm.prompts_per_iteration=2 algorithm.group_size=2
+                                                   engine.max_tokens=8)
 python experiments/reward_curves.py --config experiments/async_speedup_real.yaml --tag real_time \
   --modes sync-separated,periodic-async trainer.iterations=10 trainer.eval_every=5 trainer.eval_at_end=true \
   data.num_eval=100 algorithm.lr=2.0e-5 algorithm.prompts_per_iteration=8 engine.max_tokens=96 \

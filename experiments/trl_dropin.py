@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
     steps = args.max_steps or (3 if args.quick else 6)
-    extra = ["--max-completion-length", "16", "--prompts-per-step", "2"] if args.quick else []
+    extra = ["--max-completion-length", "8", "--prompts-per-step", "2", "--num-generations", "2"] if args.quick else []
     folder = Path(tempfile.mkdtemp(prefix="trl_dropin_"))
     systems = []
     for name in IMPORTS:

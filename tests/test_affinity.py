@@ -55,6 +55,8 @@ def test_auto_separates_engine_trainer_and_producer_where_cores_allow():
     assert colocated.engines == [[CORES[0]], [CORES[1]]] and colocated.trainer is None
     # a cluster (workers elsewhere), an in-process engine, 'off', too few cores: left to the OS
     assert affinity.plan(_cfg(**{"engine.ray_address": "10.0.0.1:6379"})) == affinity.Plan()
+    # a Ray instance of this machine joined at its loopback address (the smoke run's): as a local start
+    assert affinity.plan(_cfg(**{"engine.ray_address": "127.0.0.1:6379"})) == p
     assert affinity.plan(_cfg(**{"engine.backend": "local"})) == affinity.Plan()
     assert affinity.plan(_cfg(**{"engine.cpu_affinity": "off"})).trainer is None
     assert affinity.plan(_cfg(**{"engine.num_workers": len(CORES) + 1})) == affinity.Plan()

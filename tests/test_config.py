@@ -15,6 +15,21 @@ def test_defaults_and_overrides():
     assert cfg.reward.functions == ["a:b", "c:d"] and cfg.reward.weights == [1.0, 0.5]
 
 
+def test_ray_address_from_the_environment(monkeypatch):
+    """engine.ray_address empty: RAY_ADDRESS (a `ray job submit` entrypoint's, the smoke run's);
+    given: it wins. Only a loopback address is this machine."""
+    from periodic_async.config import EngineConfig
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert EngineConfig().ray_address == "" and EngineConfig().ray_on_this_machine
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert load_config(RunConfig, None, []).engine.ray_address == "127.0.0.1:6379"
+    assert EngineConfig().ray_on_this_machine and EngineConfig(ray_address="localhost:1").ray_on_this_machine
+    cluster = load_config(RunConfig, None, ["engine.ray_address=10.0.0.1:6379"]).engine
+    assert cluster.ray_address == "10.0.0.1:6379" and not cluster.ray_on_this_machine
+    assert not EngineConfig(ray_address="ray://127.0.0.1:10001").ray_on_this_machine  # Ray Client: a remote driver
+
+
 def test_yaml_file_then_override(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text(yaml.safe_dump({"trainer": {"iterations": 3}, "pipeline": {"mode": "sync-separated"}}))

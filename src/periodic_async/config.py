@@ -231,7 +231,10 @@ class EngineConfig:
     stop: list[str] = field(default_factory=list)
     """Stop strings: a sample ends once its text contains one (eos always stops)."""
     ray_address: str = ""
-    """Address of an existing Ray cluster; empty starts Ray locally."""
+    """Address of an existing Ray cluster to join (what `ray.init(address=...)` takes). Empty: the
+    RAY_ADDRESS environment variable when it is set (as in a `ray job submit` entrypoint), else Ray
+    starts locally for this run. A cluster at a loopback address (127.0.0.1, localhost) is this
+    machine: 'auto' core pinning and a loopback-only weight broadcast apply as to a local start."""
     timeout_s: float = 600.0
     """A worker that returns nothing for this long is declared dead."""
     restart_workers: int = 0
@@ -286,6 +289,8 @@ class EngineConfig:
     start-up with an EngineError naming the worker, the bundle and the cluster's resources."""
 
     def __post_init__(self) -> None:
+        if not self.ray_address:
+            self.ray_address = os.environ.get("RAY_ADDRESS", "")
         _check(self.backend in ("local", "ray", "vllm"), "engine", "backend", self.backend,
                "expected local, ray or vllm")
         _check(self.worker_backend in ("auto", "batcher", "vllm"), "engine", "worker_backend", self.worker_backend,
@@ -332,6 +337,14 @@ class EngineConfig:
                "must be > 0")
         _check(self.backend == "ray" or not (self.restart_workers or self.num_workers_schedule), "engine",
                "backend", self.backend, "restart_workers and num_workers_schedule need the ray backend")
+
+    @property
+    def ray_on_this_machine(self) -> bool:
+        """Ray runs on this machine alone: started locally, or a cluster at a loopback address."""
+        if not self.ray_address:
+            return True
+        host = self.ray_address.rsplit(":", 1)[0] if "://" not in self.ray_address else ""
+        return host in ("127.0.0.1", "localhost")
 
 
 @dataclass

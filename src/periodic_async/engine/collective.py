@@ -3,9 +3,10 @@ workers join one process group, and the barrier broadcasts the weights as flat b
 
 The group: the trainer (the main trainer rank) is rank 0, worker w is rank w + 1. It is joined
 once, when the engine starts (`CollectiveSync.attach`, called by `RayEngine`), through a
-TCPStore the trainer hosts on a free port: reached at 127.0.0.1 with a local Ray cluster (gloo
-then connects over the loopback), at the trainer node's address (`ray.util.get_node_ip_address()`)
-when `engine.ray_address` names a cluster. (torch's TCPStore server itself listens on every
+TCPStore the trainer hosts on a free port: reached at 127.0.0.1 with Ray on this machine alone
+(started locally or joined at a loopback address: gloo then connects over the loopback), at the
+trainer node's address (`ray.util.get_node_ip_address()`) when `engine.ray_address` names a
+cluster of other machines. (torch's TCPStore server itself listens on every
 interface; it holds only the group's rendezvous keys.) Backend from the trainer's device (`distributed.backend_for`):
 gloo on CPU, nccl on CUDA, hccl on NPU; the workers' buffers live where that backend needs
 them (host memory for gloo, the worker's accelerator for nccl/hccl).
@@ -205,7 +206,7 @@ class CollectiveSync(WeightSync):
     @classmethod
     def from_config(cls, engine_cfg, model_cfg) -> "CollectiveSync":
         device = resolve_device(model_cfg.device)
-        host = None if engine_cfg.ray_address else "127.0.0.1"  # a local Ray cluster stays on the loopback
+        host = "127.0.0.1" if engine_cfg.ray_on_this_machine else None  # a local Ray cluster stays on the loopback
         return cls(backend_for(device), device, engine_cfg.weight_sync_bucket_mb * 2**20, engine_cfg.timeout_s, host)
 
     def attach(self, workers: list) -> None:

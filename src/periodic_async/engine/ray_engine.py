@@ -27,7 +27,7 @@ request's tokens do not depend on the worker, so resizing does not change what i
 
 Weights: `ObjectStoreSync` puts one dict of numpy arrays in the object store (numpy is read
 zero-copy by the workers, torch tensors are not: ~1 ms against 0.4-1.1 s for 256 MiB); each worker copies them into
-its model. Ray starts locally unless `engine_cfg.ray_address` names a cluster.
+its model. Ray starts locally unless `engine_cfg.ray_address` (or RAY_ADDRESS) names a cluster.
 
 Placement: every worker runs in a placement group of its own, one bundle
 {"CPU": engine.cpus_per_worker, "GPU": engine.gpus_per_worker} (GPU left out at 0; fractions
@@ -99,25 +99,27 @@ def init_ray(engine_cfg) -> bool:
     # `interrupt.install`, which stops the run cleanly and saves its checkpoint).
     main = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main else None
-    if engine_cfg.ray_address:
-        ray.init(address=engine_cfg.ray_address, **common)
-    else:
-        per_worker = engine_cfg.threads_per_worker if engine_cfg.cpus_per_worker is None else engine_cfg.cpus_per_worker
-        need = math.ceil(engine_cfg.num_workers * per_worker)
-        # A local cluster listens on the loopback interface only (no dashboard): nothing on
-        # this machine's network can reach its object store or submit work to it. Ray turns a
-        # loopback node address into the machine's own unless its multi-node mode is off (as
-        # on macOS), so it is off while the node starts.
-        from ray._private import ray_constants
+    # Ray on this machine alone (a local start, or a cluster joined at a loopback address) stays on
+    # the loopback interface, with no dashboard: nothing on this machine's network can reach its
+    # object store or submit work to it. Ray turns a loopback address into the machine's own
+    # unless its multi-node mode is off (as on macOS), so it is off while Ray starts or connects.
+    from ray._private import ray_constants
 
-        multi_node, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
-        try:
+    multi_node = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = multi_node and not engine_cfg.ray_on_this_machine
+    try:
+        if engine_cfg.ray_address:
+            ray.init(address=engine_cfg.ray_address, **common)
+        else:
+            per_worker = (engine_cfg.threads_per_worker if engine_cfg.cpus_per_worker is None
+                          else engine_cfg.cpus_per_worker)
+            need = math.ceil(engine_cfg.num_workers * per_worker)
             # address="local": a new local instance even when a `ray start` cluster runs on this
             # machine (ray.init() would join that one, and refuse num_cpus).
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
                      _node_ip_address="127.0.0.1", **common)
-        finally:
-            ray_constants.ENABLE_RAY_CLUSTER = multi_node
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = multi_node
     if callable(sigterm):
         signal.signal(signal.SIGTERM, sigterm)
     return True

@@ -13,12 +13,12 @@ and the producer thread on the engines' side of the machine:
 
 Settings (`engine.cpu_affinity`, `trainer.cpu_affinity`): 'auto' (default), 'off', or the cores
 as a list ("1", "0-3", "0,2"). 'auto' pins on a CPU run whose Ray engine workers start on this
-machine (engine.backend=ray without engine.ray_address): the workers take the first
-num_workers x threads_per_worker of the cores this process may use (the largest count of
-`num_workers_schedule`), and in the separated modes the trainer takes the next
+machine (engine.backend=ray, Ray started locally or joined at a loopback address): the workers
+take the first num_workers x threads_per_worker of the cores this process may use (the largest
+count of `num_workers_schedule`), and in the separated modes the trainer takes the next
 `trainer.threads`, when there are that many; otherwise (sync-colocated, an in-process engine,
-a Ray cluster, trainer ranks under torchrun, an accelerator, too few cores) the process is left
-to the OS. A core that this process may not use is refused with one line (ConfigError).
+a Ray cluster of other machines, trainer ranks under torchrun, an accelerator, too few cores)
+the process is left to the OS. A core that this process may not use is refused with one line (ConfigError).
 
 While the trainer has raised its threads after generation (`trainer.threads_after_generation`)
 it runs on its cores and the engines' (they are idle until the barrier). The run's report
@@ -73,7 +73,7 @@ def engine_cores(engine_cfg, on_cpu: bool = True) -> list[list[int]] | None:
         return None
     if value != "auto":
         cores = _checked(value, "engine.cpu_affinity", per)
-    elif SUPPORTED and on_cpu and engine_cfg.backend == "ray" and not engine_cfg.ray_address \
+    elif SUPPORTED and on_cpu and engine_cfg.backend == "ray" and engine_cfg.ray_on_this_machine \
             and len(available_cores()) >= n * per:
         cores = available_cores()[: n * per]
     else:
