@@ -101,6 +101,7 @@ shared_ray() {  # start the smoke run's Ray instance; RAY_ADDRESS names it to ev
     --num-cpus=$((2 * $(getconf _NPROCESSORS_ONLN))) --include-dashboard=false --disable-usage-stats > "$log" 2>&1 &
   ray_head=$!
   trap 'kill "$ray_head" 2>/dev/null || true' EXIT  # --block: its Ray processes stop with it
+  trap 'exit 130' INT; trap 'exit 143' TERM           # ... also when the run is interrupted
   for i in $(seq 240); do
     grep -q "Ray runtime started" "$log" && break
     if ! kill -0 "$ray_head" 2>/dev/null || [ "$i" = 240 ]; then
