@@ -91,6 +91,21 @@ for exp in "${EXPERIMENTS[@]}"; do
   [ -f "experiments/$exp.sh" ] || { echo "run_all.sh: experiments/$exp.sh is missing"; exit 1; }
 done
 
+# On exit, and when interrupted or stopped (a signal reaches only this shell, not the lanes and
+# experiments it started), everything the run started stops: the lanes, their experiments, the
+# smoke run's Ray instance.
+descendants() { local c; for c in $(pgrep -P "$1" 2>/dev/null); do echo "$c"; descendants "$c"; done; }
+stop_all() {  # the lanes and all below them at once; then the Ray instance, which stops its own processes
+  local c pids="" i
+  for c in $(pgrep -P $$ 2>/dev/null); do [ "$c" = "${ray_head:-}" ] || pids="$pids $c $(descendants "$c")"; done
+  kill $pids 2>/dev/null || true
+  if [ -n "${ray_head:-}" ] && kill "$ray_head" 2>/dev/null; then
+    for i in $(seq 40); do kill -0 "$ray_head" 2>/dev/null || return 0; sleep 0.5; done
+    kill -9 $(descendants "$ray_head") "$ray_head" 2>/dev/null || true
+  fi
+}
+trap stop_all EXIT; trap 'exit 130' INT; trap 'exit 143' TERM
+
 shared_ray() {  # start the smoke run's Ray instance; RAY_ADDRESS names it to every experiment
   local port log="$RESULTS_DIR/logs/ray_head.log" i
   port=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
@@ -99,9 +114,7 @@ shared_ray() {  # start the smoke run's Ray instance; RAY_ADDRESS names it to ev
   export RAY_AUTH_MODE=token RAY_worker_niceness=0
   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --block --node-ip-address=127.0.0.1 --port="$port" \
     --num-cpus=$((2 * $(getconf _NPROCESSORS_ONLN))) --include-dashboard=false --disable-usage-stats > "$log" 2>&1 &
-  ray_head=$!
-  trap 'kill "$ray_head" 2>/dev/null || true' EXIT  # --block: its Ray processes stop with it
-  trap 'exit 130' INT; trap 'exit 143' TERM           # ... also when the run is interrupted
+  ray_head=$!  # --block: its Ray processes stop with it (stop_all)
   for i in $(seq 240); do
     grep -q "Ray runtime started" "$log" && break
     if ! kill -0 "$ray_head" 2>/dev/null || [ "$i" = 240 ]; then
@@ -124,7 +137,8 @@ if [ "${QUICK:-0}" != 0 ] && [ "${SHARED_RAY:-1}" != 0 ] && [ -z "${RAY_ADDRESS:
   echo "experiments join Ray at $RAY_ADDRESS"
 fi
 if [ "$LANES" = 1 ]; then
-  lane "${EXPERIMENTS[@]}" || { echo "run_all.sh: an experiment failed (above)"; exit 1; }
+  lane "${EXPERIMENTS[@]}" & only=$!  # in the background: a signal is then handled at once (wait)
+  wait "$only" || { echo "run_all.sh: an experiment failed (above)"; exit 1; }
 else
   other=(); for exp in "${EXPERIMENTS[@]}"; do [[ " ${FIRST_LANE[*]} " == *" $exp "* ]] || other+=("$exp"); done
   lane "${FIRST_LANE[@]}" & first=$!

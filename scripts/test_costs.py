@@ -42,13 +42,17 @@ COLUMNS = ["test", "group", "seconds", "outcome", *COUNTS, "suite_wall_s", "pyte
 
 
 def cpu_name() -> str:
+    """The CPU model and its widest vector unit (as run_all.sh records it): CPUs of one core count
+    differ severalfold."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
-    return platform.processor() or "unknown"
+        return platform.processor() or "unknown"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{model} ({isa})".replace(",", "")
 
 
 def per_test(records: list[dict]) -> dict[str, dict]:

@@ -711,8 +711,8 @@ def test_costs(results: Path, top: int = 10) -> str:
     args = f" `{r0['pytest_args']}`" if r0["pytest_args"] else ""
     busy = _rows(results, "test_costs_busy.csv")
     beside = (f" Beside one CPU-bound process (`{results}/test_costs_busy.csv`, `--beside-busy`, commit "
-              f"`{busy[0]['git_commit'][:12]}`): {float(busy[0]['suite_wall_s']):.0f} s wall." if busy else "")
-    lines = [f"The default suite{args} at commit `{r0['git_commit'][:12]}` on {r0['cpu']} ({r0['cores']} cores), "
+              f"`{busy[0]['git_commit'][:12]}`, {busy[0]['cpu']}): {float(busy[0]['suite_wall_s']):.0f} s wall." if busy else "")
+    lines = [f"The default suite{args} at commit `{r0['git_commit'][:12]}` on {r0['cpu']}, {r0['cores']} cores, "
              f"{r0.get('load', 'quiet')}: "
              f"{len(rows)} tests, {total:.0f} s in the tests, {float(r0['suite_wall_s']):.0f} s wall "
              f"(`{results}/test_costs.csv`, written by `python scripts/test_costs.py`). Each test counts its setup, "
