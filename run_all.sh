@@ -34,14 +34,14 @@ declare -A MAIN_CSV=(
 EXPERIMENTS=(warm_start table2_throughput engine_throughput shared_prompt_ablation trimodel_cost async_speedup
              shared_async reward_curves fig1_timeline equivalence scaling soak reward_curves_real trl_dropin)
 # A smoke run takes two lanes, each running its experiments one after another. They are split so
-# that both take about as long (measured in a two-lane smoke run, in seconds: reward_curves_real 418,
-# trl_dropin 320, table2_throughput 197, soak 136, equivalence 89, scaling 89, engine_throughput 72,
-# fig1_timeline 65, async_speedup 61, shared_async 60, reward_curves 58, warm_start 40,
-# shared_prompt_ablation 28, trimodel_cost 19). The second lane takes the rest in EXPERIMENTS' order,
-# warm_start first: its model (artifacts/sft-quick) is what equivalence and fig1_timeline load. In a
-# smoke run reward_curves_real and trl_dropin load SmolLM2-135M: both in the first lane, so no two
-# SmolLM2 experiments run side by side.
-FIRST_LANE=(reward_curves_real trl_dropin engine_throughput)
+# that both take about as long (measured in a two-lane smoke run at af62326 on a 2-core AVX-512 AMD
+# EPYC, in seconds: reward_curves_real 175, trl_dropin 130, table2_throughput 98, engine_throughput
+# 69, equivalence 66, scaling 61, async_speedup 38, soak 36, shared_async 28, reward_curves 27,
+# fig1_timeline 22, warm_start 17, shared_prompt_ablation 13, trimodel_cost 9). The second lane
+# takes the rest in EXPERIMENTS' order, warm_start first: its model (artifacts/sft-quick) is what
+# equivalence and fig1_timeline load. In a smoke run reward_curves_real and trl_dropin load
+# SmolLM2-135M: both in the first lane, so no two SmolLM2 experiments run side by side.
+FIRST_LANE=(reward_curves_real trl_dropin engine_throughput shared_prompt_ablation)
 # Two lanes only for a smoke run: the full run measures times, and two experiments side by side
 # would share the cores (and its SmolLM2 experiments would run beside each other).
 LANES="${LANES:-$([ "${QUICK:-0}" != 0 ] && echo 2 || echo 1)}"
