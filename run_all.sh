@@ -82,11 +82,10 @@ progress="$RESULTS_DIR/logs/run_all_progress.csv" times="$RESULTS_DIR/run_all_ti
 if [ "$FORCE" != 0 ]; then rm -f "$progress"; fi   # a forced (or smoke) run times every experiment afresh
 if [ -f "$progress" ]; then echo "resuming the run in $progress (FORCE=1 starts afresh)"
 else echo "experiment,seconds,quick,git_commit,finished,cpu" > "$progress"; fi
-commit=$(python -c "from periodic_async.config import git_commit; print(git_commit())")  # what every CSV records
-# the machine each time was measured on: CPU model, widest vector unit, cores (times differ severalfold between CPUs)
-cpu="$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | tr -d ',' | xargs || true)"
-isa="$(grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo AVX-512 || { grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo AVX2 || echo "no AVX2"; })"
-cpu="${cpu:-$(uname -m)} ($isa; $(getconf _NPROCESSORS_ONLN) cores)"  # no comma: a CSV field
+# what every CSV records, and the machine each time was measured on: CPU model, widest vector
+# unit, cores (times differ severalfold between CPUs)
+commit=$(python -c "from periodic_async.config import git_commit; print(git_commit())")
+cpu=$(python -c "from periodic_async.config import cpu_name; print(cpu_name())")
 for exp in "${EXPERIMENTS[@]}"; do
   [ -f "experiments/$exp.sh" ] || { echo "run_all.sh: experiments/$exp.sh is missing"; exit 1; }
 done

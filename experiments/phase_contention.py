@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 from periodic_async.bench.protocol import write_csv
-from periodic_async.config import git_commit
+from periodic_async.config import cpu_name, git_commit
 from periodic_async.parallel.affinity import available_cores
 
 TRAINER = r'''
@@ -123,8 +123,6 @@ def main(argv=None) -> list[dict]:
         sys.exit("phase_contention needs 2 cores")
     models = [m for m in args.models if Path(m).is_dir()] or ["qwen2-1m"]
     commit = git_commit()
-    cpu = subprocess.run(["bash", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True,
-                         text=True).stdout.strip()
     rows = []
     for model in models:
         seen: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -141,7 +139,7 @@ def main(argv=None) -> list[dict]:
                          "process": name, "rate": round(statistics.median(rates), 2), "rate_min": round(min(rates), 2),
                          "rate_max": round(max(rates), 2), "vs_alone": round(statistics.median(rates) / alone[name], 3),
                          "step_cpu_ms": round(statistics.median(v[1] for v in values), 2) if name == "trainer" else "",
-                         "repeats": len(values), "git_commit": commit, "cpu": f"{cpu} ({len(cores)} cores)"})
+                         "repeats": len(values), "git_commit": commit, "cpu": cpu_name()})
     out = write_csv(Path(args.results) / "phase_contention.csv", rows)
     for row in rows:
         print({k: v for k, v in row.items() if k not in ("git_commit", "cpu")})

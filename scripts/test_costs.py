@@ -21,7 +21,6 @@ import argparse
 import csv
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -39,20 +38,6 @@ COUNTS = ["ray", "engine_workers", "vllm_workers", "subprocess_torchrun", "subpr
           "subprocess_other"]
 COLUMNS = ["test", "group", "seconds", "outcome", *COUNTS, "suite_wall_s", "pytest_args", "load", "cpu", "cores",
            "git_commit"]
-
-
-def cpu_name() -> str:
-    """The CPU model and its widest vector unit (as run_all.sh records it): CPUs of one core count
-    differ severalfold."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.machine())
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{model} ({isa})".replace(",", "")
 
 
 def per_test(records: list[dict]) -> dict[str, dict]:
@@ -91,7 +76,7 @@ def main() -> None:
             w.writerows(rows)
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from periodic_async.config import git_commit
+    from periodic_async.config import cpu_name, git_commit
 
     commit = git_commit()
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +96,7 @@ def main() -> None:
     rows = [{"test": name, "group": group_of(t), "seconds": round(t["seconds"], 2), "outcome": t.get("outcome", ""),
              **{k: int(t[k]) for k in COUNTS}, "suite_wall_s": round(wall, 1),
              "pytest_args": " ".join(args.pytest_args), "load": "one CPU-bound process" if busy else "quiet",
-             "cpu": cpu_name(), "cores": os.cpu_count(), "git_commit": commit}
+             "cpu": cpu_name(cores=False), "cores": os.cpu_count(), "git_commit": commit}
             for name, t in sorted(tests.items(), key=lambda x: -x[1]["seconds"])]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

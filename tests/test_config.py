@@ -1,6 +1,8 @@
 """Config: YAML + overrides, type conversion, and validation errors that name field and value."""
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -28,6 +30,19 @@ def test_ray_address_from_the_environment(monkeypatch):
     cluster = load_config(RunConfig, None, ["engine.ray_address=10.0.0.1:6379"]).engine
     assert cluster.ray_address == "10.0.0.1:6379" and not cluster.ray_on_this_machine
     assert not EngineConfig(ray_address="ray://127.0.0.1:10001").ray_on_this_machine  # Ray Client: a remote driver
+
+
+def test_cpu_name_names_the_vector_unit_and_cores():
+    """What every measured row records of the machine: the vector unit /proc/cpuinfo's flags
+    name, and the cores this process may use; no comma (a CSV field)."""
+    from periodic_async.config import cpu_name
+
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    full, short = cpu_name(), cpu_name(cores=False)
+    assert full.endswith(f"({isa}; {len(os.sched_getaffinity(0))} cores)") and short.endswith(f"({isa})")
+    assert full.split(" (")[0] == short.split(" (")[0] and "," not in full
 
 
 def test_yaml_file_then_override(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
 import re
 import string
 import subprocess
@@ -704,6 +705,23 @@ def git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
+
+
+def cpu_name(cores: bool = True) -> str:
+    """The CPU model, its widest vector unit and (with `cores`) the cores this process may use,
+    e.g. 'AMD EPYC (AVX-512; 2 cores)': recorded beside measured times, since CPUs of one core
+    count differ severalfold. No commas (it is a CSV field)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    lines = info.splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    detail = f"{isa}; {n} cores" if cores else isa
+    return f"{model or platform.machine() or 'unknown'} ({detail})".replace(",", "")
 
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 REDACTED = "<redacted>"
