@@ -706,7 +706,6 @@ def git_commit() -> str:
         return "unknown"
 
 
-
 def cpu_name(cores: bool = True) -> str:
     """The CPU model, its widest vector unit and (with `cores`) the cores this process may use,
     e.g. 'AMD EPYC (AVX-512; 2 cores)': recorded beside measured times, since CPUs of one core
@@ -722,6 +721,7 @@ def cpu_name(cores: bool = True) -> str:
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     detail = f"{isa}; {n} cores" if cores else isa
     return f"{model or platform.machine() or 'unknown'} ({detail})".replace(",", "")
+
 
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 REDACTED = "<redacted>"
