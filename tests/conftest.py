@@ -6,9 +6,11 @@ Test modules import the helpers: `from conftest import tiny_run_config, ...`."""
 
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("WANDB_MODE", "offline")
+# Hermetic whatever the shell says (tests/test_config.py checks it): never the hub or W&B online, never
+# a Ray cluster the shell points at (RAY_ADDRESS is engine.ray_address's default; tests that join one
+# pass it explicitly).
+os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
+os.environ.pop("RAY_ADDRESS", None)
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

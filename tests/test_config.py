@@ -149,3 +149,30 @@ def test_wandb_never_sees_a_secret_on_the_command_line(tmp_path, monkeypatch):
         time.sleep(0.2)
     for p in (p for p in tmp_path.rglob("*") if p.is_file()):
         assert token.encode() not in p.read_bytes(), p
+
+
+HERMETIC = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline", "RAY_ADDRESS": None}
+"""What the suite runs under whatever the shell says (tests/conftest.py): offline, W&B offline, Ray of its own."""
+
+
+def test_suite_environment_is_hermetic():
+    """The suite never reaches the hub or W&B online, nor joins a Ray cluster the shell points at."""
+    import os
+
+    assert {k: os.environ.get(k) for k in HERMETIC} == HERMETIC
+
+
+def test_suite_environment_is_hermetic_under_a_hostile_shell():
+    """The same check in a pytest started from a shell that says online W&B, online hub and another
+    Ray cluster (RAY_ADDRESS=auto): conftest overrides them, so tests cannot join or upload."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "WANDB_MODE": "online",
+           "RAY_ADDRESS": "auto"}
+    here = Path(__file__).resolve()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        f"{here}::test_suite_environment_is_hermetic"], env=env, cwd=here.parent.parent,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -105,3 +105,55 @@ def test_digits_are_single_tokens(tokenizer):
 def test_missing_tokenizer_dir_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "nope")
+
+
+def _cache_a_hub_model(cache, repo_id: str, tokenizer) -> "Path":
+    """A model saved where huggingface_hub keeps a downloaded snapshot: models--org--name/snapshots/<rev>/,
+    with refs/main naming the revision (the layout `snapshot_download` writes and reads back offline)."""
+    from pathlib import Path
+
+    rev = "0123456789abcdef0123456789abcdef01234567"
+    repo = Path(cache) / f"models--{repo_id.replace('/', '--')}"
+    snap = repo / "snapshots" / rev
+    build_model(ModelConfig(name_or_path="qwen2-micro"), tokenizer).save_pretrained(snap)
+    tokenizer.save_pretrained(snap)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+    return snap
+
+
+def test_hub_id_in_the_local_cache_resolves_to_its_snapshot(tmp_path, tokenizer, monkeypatch):
+    """A Hugging Face hub id (what TRL users pass) loads from the local cache with the hub offline:
+    `resolve_model_path` gives the snapshot directory, and `load_policy` loads the model with its own
+    tokenizer."""
+    import huggingface_hub.constants
+
+    from periodic_async.model import resolve_model_path
+
+    snap = _cache_a_hub_model(tmp_path / "hub", "someone/tiny-qwen", tokenizer)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert resolve_model_path("someone/tiny-qwen") == str(snap)
+    assert resolve_model_path("qwen2-1m") == "qwen2-1m"  # presets and directories are left as they are
+    assert resolve_model_path(str(snap)) == str(snap)
+    model, tok = load_policy(ModelConfig(name_or_path="someone/tiny-qwen", tokenizer=str(tmp_path / "unused")))
+    assert model.config.hidden_size == 32 and len(tok) == len(tokenizer)
+    assert not (tmp_path / "unused").exists()  # the snapshot's own tokenizer, none built
+
+
+@pytest.mark.parametrize("name", ["someone/not-cached", "no/such/dir", "./missing"])
+def test_unresolvable_model_is_one_line_naming_presets_path_and_cache(tmp_path, name, monkeypatch):
+    import huggingface_hub.constants
+
+    from periodic_async.config import ConfigError
+    from periodic_async.model import resolve_model_path
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError) as e:
+        resolve_model_path(name)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"model.name_or_path={name!r}")
+    assert "qwen2-1m" in msg and "looked in" in msg
+    if name == "someone/not-cached":
+        assert "Hugging Face cache" in msg and "HF_HUB_OFFLINE" in msg

@@ -14,6 +14,7 @@ Presets (vocabulary from the tokenizer, ~512 for ours; parameter counts with tha
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -108,21 +109,53 @@ def norms_in_input_dtype(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _not_a_model(name_or_path: str) -> str:
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+"""What a causal LM and its tokenizer need from a hub repository (weights as safetensors)."""
+
+
+def _not_a_model(name_or_path: str, why: str = "") -> str:
     return (f"model.name_or_path={name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-            f"nor an existing model directory (looked in {Path(name_or_path).resolve()})")
+            f"nor an existing model directory (looked in {Path(name_or_path).resolve()}){why}")
 
 
-def check_model_path(name_or_path: str) -> None:
-    """A ConfigError naming `model.name_or_path` unless it is a preset or an existing directory."""
-    if name_or_path not in PRESETS and not Path(name_or_path).is_dir():
+def _hub_id(name: str) -> bool:
+    """'name' or 'org/name' as the hub spells repository ids; a path ('./x', '/x', 'a/b/c') is not one."""
+    import re
+
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not name.startswith(".") and ".." not in name
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """What `model.name_or_path` loads: a preset name or an existing directory as it is; a Hugging
+    Face hub id ('org/name', as TRL users pass) as the directory of its snapshot in the local
+    Hugging Face cache, downloaded first (model and tokenizer files, `HUB_FILES`) when the hub is
+    reachable and HF_HUB_OFFLINE is not set. Anything else is a ConfigError in one line that names
+    the presets, the directory looked in and, for a hub id, why the cache could not serve it."""
+    if name_or_path in PRESETS or Path(name_or_path).is_dir():
+        return name_or_path
+    if not _hub_id(name_or_path):
         raise ConfigError(_not_a_model(name_or_path))
+    from huggingface_hub import constants, snapshot_download
+
+    offline = bool(constants.HF_HUB_OFFLINE)
+    try:
+        path = snapshot_download(name_or_path, allow_patterns=HUB_FILES, local_files_only=offline)
+    except Exception as e:  # noqa: BLE001 - not found, offline, gated, incomplete: one line for the user
+        where = (f"not in the local Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1" if offline
+                 else f"the hub did not serve it ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        raise ConfigError(_not_a_model(name_or_path, f", nor a hub model: {where}")) from None
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(_not_a_model(name_or_path, f", nor a hub model: its snapshot {path} has no config.json"))
+    return str(path)
 
 
 def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Tokenizer and model of `cfg`. A model directory without `cfg.tokenizer` uses its own tokenizer."""
-    check_model_path(cfg.name_or_path)  # before a tokenizer is built for a model that is not there
-    model_dir = Path(cfg.name_or_path)
+    """Tokenizer and model of `cfg`. A model directory without `cfg.tokenizer` uses its own tokenizer;
+    a hub id loads from its snapshot (`resolve_model_path`)."""
+    path = resolve_model_path(cfg.name_or_path)  # before a tokenizer is built for a model that is not there
+    if path != cfg.name_or_path:
+        cfg = dataclasses.replace(cfg, name_or_path=path)
+    model_dir = Path(path)
     if model_dir.is_dir() and (model_dir / "tokenizer_config.json").is_file():
         tokenizer = load_tokenizer(model_dir)
     else:
