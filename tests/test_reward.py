@@ -322,3 +322,225 @@ def test_accuracy_outside_unit_interval_is_an_error(tmp_path):
         acc(["p"], ["a"], answer=["1"])
     default = make_accuracy(RewardConfig())
     assert default(["p", "p"], ["#### 3", "#### 4"], answer=["3", "3"], level=[1, 2]) == [1.0, 0.0]
+
+
+# --- the reward worker process: restarts, its own protocol channel, its CPUs -------------------
+
+DIES_ONCE = '''import os
+from pathlib import Path
+
+def dies_once(prompts, completions, marker, **kw):
+    if not Path(marker[0]).exists():  # the first call only: the worker process dies mid-call
+        Path(marker[0]).write_text("died")
+        os._exit(3)
+    return [1.0] * len(completions)
+
+def always_dies(prompts, completions, marker, **kw):
+    with open(marker[0], "a") as f:
+        f.write("try\\n")
+    os._exit(3)
+
+def my_pid(prompts, completions, **kw):
+    return [float(os.getpid())] * len(completions)
+
+def echoes(prompts, completions, **kw):
+    os.system("echo 0.5")  # fd 1 of the worker: must not reach the protocol
+    print("[7.0]")
+    return [float(len(c)) for c in completions]
+
+def stray_reply(prompts, completions, marker, kind, **kw):
+    """Once: writes a line onto the worker's reply channel itself (a reply to another call, or
+    an unreadable one), as corrupting code could; the parent must not take it as this call's."""
+    if not Path(marker[0]).exists():
+        Path(marker[0]).write_text("done")
+        from periodic_async.reward import sandbox
+        sandbox._reply.write('{"id": -1, "result": [9.0]}\\n' if kind[0] == "id" else "0.5\\n")
+        sandbox._reply.flush()
+    return [float(len(c)) for c in completions]
+'''
+
+
+def _user_reward(tmp_path, name: str):
+    path = tmp_path / "user_rewards.py"
+    path.write_text(DIES_ONCE)
+    return combined_reward([f"{path}:{name}"], [1.0], timeout_s=60)
+
+
+def test_reward_worker_that_dies_once_is_restarted(tmp_path):
+    """A user reward that kills its own worker process (os._exit) on its first call: the call is
+    sent again to a new worker, which answers; the restart is counted in the run's metrics."""
+    from periodic_async.reward import reward_stats
+
+    reward = _user_reward(tmp_path, "dies_once")
+    before = reward_stats()["reward/worker_restarts"]
+    marker = str(tmp_path / "died")
+    try:
+        assert reward(["p"] * 2, ["a", "b"], marker=[marker] * 2) == [1.0, 1.0]
+        assert reward(["p"], ["a"], marker=[marker]) == [1.0]
+    finally:
+        reward.close()
+    assert (tmp_path / "died").read_text() == "died"
+    assert reward_stats()["reward/worker_restarts"] - before == 1
+
+
+def test_reward_worker_that_keeps_dying_stops_the_run(tmp_path):
+    """A user reward whose worker dies on every call: tried MAX_DEATHS (3) times in a row, then
+    one line naming the function and the exit code."""
+    from periodic_async.reward import RewardError
+    from periodic_async.reward.sandbox import MAX_DEATHS
+
+    reward = _user_reward(tmp_path, "always_dies")
+    tries = tmp_path / "tries"
+    try:
+        with pytest.raises(RewardError) as err:
+            reward(["p"], ["a"], marker=[str(tries)])
+    finally:
+        reward.close()
+    msg = str(err.value)
+    assert MAX_DEATHS == 3 and tries.read_text().count("try") == MAX_DEATHS
+    assert "\n" not in msg and "always_dies" in msg, msg
+    assert "died 3 times in a row" in msg and "exit code 3" in msg, msg
+
+
+def test_reward_worker_killed_between_calls_is_replaced(tmp_path):
+    """The user reward's worker killed from outside between calls: the next call gets a new one."""
+    import os
+    import signal
+
+    from periodic_async.reward import reward_stats
+
+    reward = _user_reward(tmp_path, "my_pid")
+    try:
+        pid = int(reward(["p"], ["a"])[0])
+        before = reward_stats()["reward/worker_restarts"]
+        os.kill(pid, signal.SIGKILL)
+        new = int(reward(["p"], ["a"])[0])
+    finally:
+        reward.close()
+    assert new != pid and reward_stats()["reward/worker_restarts"] - before == 1
+
+
+def test_bounded_worker_killed_between_calls_is_replaced():
+    """The same for the worker itself, whether its death is seen before the request is written
+    (reaped) or only when writing it (a broken pipe): the next call works."""
+    import os
+    import signal
+    import time
+
+    from periodic_async.reward import BoundedWorker
+
+    worker = BoundedWorker()
+    try:
+        for wait_s in (0.0, 0.5):
+            pid = worker.call("os:getpid", timeout_s=60)
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(wait_s)
+            assert worker.call("operator:add", 2, 3, timeout_s=60) == 5
+            assert worker.pid != pid
+    finally:
+        worker.close()
+
+
+def test_math_verify_worker_killed_between_calls_is_replaced():
+    """math-verify's worker killed from outside: the next comparison still runs (before, every
+    later call raised BrokenPipeError and the run died)."""
+    pytest.importorskip("math_verify")
+    import os
+    import signal
+
+    from periodic_async.reward import answers, math_verify_stats, reward_stats
+    from periodic_async.reward.answers import math_verify_equal
+
+    assert math_verify_equal("\\boxed{\\frac{1}{2}}", "0.5")
+    before, restarts = math_verify_stats(), reward_stats()["reward/worker_restarts"]
+    os.kill(answers._math_worker.pid, signal.SIGKILL)
+    assert math_verify_equal("\\boxed{\\frac{1}{2}}", "0.5")
+    after = math_verify_stats()
+    assert after["errors"] == before["errors"] and after["equal"] - before["equal"] == 1
+    assert reward_stats()["reward/worker_restarts"] - restarts == 1
+
+
+def test_reward_output_on_fd1_goes_to_stderr(tmp_path, capfd):
+    """Reward code that writes to file descriptor 1 (os.system, C code, print) cannot corrupt the
+    worker's replies: each call returns its own rewards, the text goes to stderr."""
+    reward = _user_reward(tmp_path, "echoes")
+    try:
+        got = [reward(["p"] * len(c), c) for c in (["a"], ["ab", "abc"], ["abcd"], ["abcde"])]
+    finally:
+        reward.close()
+    assert got == [[1.0], [2.0, 3.0], [4.0], [5.0]]
+    err = capfd.readouterr().err
+    assert err.count("0.5") == 4 and err.count("[7.0]") == 4, err
+
+
+@pytest.mark.parametrize("kind", ["id", "garbage"])
+def test_reply_to_another_call_is_never_taken(tmp_path, kind):
+    """A line on the reply channel that is not this call's reply (another call id, or not JSON)
+    kills the worker and the call is sent again: never a shifted or foreign reward."""
+    from periodic_async.reward import reward_stats
+
+    reward = _user_reward(tmp_path, "stray_reply")
+    before = reward_stats()["reward/worker_restarts"]
+    marker = str(tmp_path / "stray")
+    try:
+        assert reward(["p"], ["ab"], marker=[marker], kind=[kind]) == [2.0]
+        assert reward(["p"], ["abc"], marker=[marker], kind=[kind]) == [3.0]
+    finally:
+        reward.close()
+    assert reward_stats()["reward/worker_restarts"] - before == 1
+
+
+def test_bounded_worker_cpus_hold_across_restarts():
+    """A worker started with cpus=[0] runs on CPU 0 only, and so does its replacement."""
+    import os
+    import signal
+
+    from periodic_async.reward import BoundedWorker
+
+    worker = BoundedWorker(cpus=[0])
+    try:
+        assert worker.call("periodic_async.reward.sandbox:cpu_affinity", timeout_s=60) == [0]
+        os.kill(worker.pid, signal.SIGKILL)
+        assert worker.call("periodic_async.reward.sandbox:cpu_affinity", timeout_s=60) == [0]
+    finally:
+        worker.close()
+    with pytest.raises(ValueError, match=r"cpus=\[\]: expected a non-empty list of CPU ids"):
+        BoundedWorker(cpus=[])
+
+
+def test_default_worker_cpus_apply_to_later_workers():
+    """`set_worker_cpus` (the run's reward cores) pins workers created without `cpus` at every
+    start; None restores the default (the caller's CPUs)."""
+    import os
+
+    from periodic_async.reward import BoundedWorker, set_worker_cpus
+
+    worker = BoundedWorker()
+    cpu = max(os.sched_getaffinity(0))
+    set_worker_cpus([cpu])
+    try:
+        assert worker.call("periodic_async.reward.sandbox:cpu_affinity", timeout_s=60) == [cpu]
+    finally:
+        set_worker_cpus(None)
+        worker.close()
+    assert worker.call("periodic_async.reward.sandbox:cpu_affinity", timeout_s=60) == sorted(os.sched_getaffinity(0))
+    worker.close()
+
+
+def test_math_verify_worker_that_keeps_dying_stops_the_run(monkeypatch):
+    """math-verify's worker dying on every comparison (here its verify_math exits the process):
+    after MAX_DEATHS tries the run stops with one line, not scores of 0 for ever."""
+    pytest.importorskip("math_verify")
+    from periodic_async.reward import BoundedWorker, RewardError, answers, math_reward
+
+    dying = BoundedWorker(warmup=[("builtins:exec", ["import os, periodic_async.reward.answers as a; "
+                                                     "a.verify_math = lambda *args: os._exit(5)"])])
+    monkeypatch.setattr(answers, "_math_worker", dying)
+    try:
+        with pytest.raises(RewardError) as err:
+            math_reward(None, ["\\boxed{\\frac{1}{2}}"], answer=["0.5"])
+    finally:
+        dying.close()
+    msg = str(err.value)
+    assert "\n" not in msg and "exit code 5" in msg, msg
+    assert msg.startswith("math-verify: worker process died 3 times in a row"), msg

@@ -11,10 +11,10 @@ from periodic_async.reward.answers import (answers_match, extract_answer, last_b
                                            normalize_answer, verify_math)
 from periodic_async.reward.functions import (RewardError, RewardFn, TrainerState, call_reward_fn, combined_reward,
                                              correctness_reward, format_reward, load_reward_fn, make_accuracy,
-                                             make_reward, math_reward)
-from periodic_async.reward.sandbox import BoundedWorker, WorkerError
+                                             make_reward, math_reward, reward_stats)
+from periodic_async.reward.sandbox import BoundedWorker, WorkerDied, WorkerError, set_worker_cpus
 
-__all__ = ["BoundedWorker", "RewardError", "RewardFn", "TrainerState", "WorkerError", "answers_match", "call_reward_fn",
-           "combined_reward", "correctness_reward", "extract_answer", "format_reward", "last_boxed",
+__all__ = ["BoundedWorker", "RewardError", "RewardFn", "TrainerState", "WorkerDied", "WorkerError", "answers_match",
+           "call_reward_fn", "combined_reward", "correctness_reward", "extract_answer", "format_reward", "last_boxed",
            "load_reward_fn", "make_accuracy", "make_reward", "math_reward", "math_verify_stats", "normalize_answer",
-           "verify_math"]
+           "reward_stats", "set_worker_cpus", "verify_math"]

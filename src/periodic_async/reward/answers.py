@@ -15,7 +15,7 @@ import re
 import threading
 from fractions import Fraction
 
-from periodic_async.reward.sandbox import BoundedWorker
+from periodic_async.reward.sandbox import BoundedWorker, WorkerDied
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,9 @@ def answers_match(pred: str | None, truth: str) -> bool:
 # switch its signal timeouts off and run it in a worker process instead: a call that exceeds
 # MATH_VERIFY_TIMEOUT_S kills the worker (a fresh one starts on the next call), so a
 # pathological expression cannot hang the run. Errors and timeouts score 0, are counted
-# (`math_verify_stats()`) and logged, never swallowed.
+# (`math_verify_stats()`) and logged, never swallowed. A worker that dies is replaced and the
+# comparison sent again (sandbox.py); one that dies MAX_DEATHS times in a row raises
+# `WorkerDied`, which `correctness_reward` turns into the run's `RewardError`.
 
 MATH_VERIFY_TIMEOUT_S = 5.0
 """Wall-clock bound of one math-verify comparison (parse both answers, verify)."""
@@ -129,13 +131,14 @@ def _count(key: str) -> int:
 
 
 def math_verify_equal(pred_text: str, truth: str, timeout_s: float | None = None) -> bool:
-    """math-verify's symbolic equivalence of a completion and the ground truth, from any thread."""
+    """math-verify's symbolic equivalence of a completion and the ground truth, from any thread;
+    `WorkerDied` if its worker process keeps dying."""
     global _math_worker
     if importlib.util.find_spec("math_verify") is None:
         raise ImportError("math_reward needs math-verify: pip install 'periodic-async[math]'")
     with _math_lock:
         if _math_worker is None:
-            _math_worker = BoundedWorker(preload="math_verify")
+            _math_worker = BoundedWorker(warmup=[("importlib:import_module", ["math_verify"])])
     _count("calls")
     timeout_s = MATH_VERIFY_TIMEOUT_S if timeout_s is None else timeout_s
     try:
@@ -145,7 +148,9 @@ def math_verify_equal(pred_text: str, truth: str, timeout_s: float | None = None
         logger.warning("math-verify timed out after %.1f s (scored 0; %d timeouts so far): answer %r, "
                        "completion %r", timeout_s, n, truth, pred_text[-200:])
         return False
-    except RuntimeError as e:  # WorkerError (math-verify raised) or a dead worker: not the run's end
+    except WorkerDied:  # it died MAX_DEATHS times in a row: the run's end (correctness_reward says so)
+        raise
+    except RuntimeError as e:  # WorkerError (math-verify raised) or a worker that did not start
         n = _count("errors")
         if n <= 10 or n % 100 == 0:
             logger.warning("math-verify raised %s: %s (scored 0; %d errors so far): answer %r, completion %r",

@@ -12,7 +12,10 @@ Guarantees: a user reward function (any not defined in this module) runs in a wo
 with a wall-clock bound per call (`reward.timeout_s`): one that hangs is killed and the run
 stops with a `RewardError` naming it; one that raises, returns a non-number, the wrong count
 or a NaN/inf stops the run with a `RewardError` naming it and the value (the producer adds
-the iteration and prompt). Reward code is loaded only from the module or file the user names
+the iteration and prompt). A worker that dies (a crash, `os._exit`, killed from outside) is
+replaced and the call sent again; only one that dies `sandbox.MAX_DEATHS` (3) times in a row
+stops the run, with a `RewardError` naming the function; restarts are counted in the run's
+metrics (`reward_stats`). Reward code is loaded only from the module or file the user names
 in `reward.functions`; the worker resolves imports with the caller's `sys.path`, never adding
 its own working directory.
 """
@@ -31,7 +34,7 @@ from typing import Callable, Sequence
 
 from periodic_async.config import RewardConfig, UserError
 from periodic_async.reward.answers import answers_match, extract_answer, math_verify_equal
-from periodic_async.reward.sandbox import BoundedWorker, WorkerError
+from periodic_async.reward.sandbox import BoundedWorker, WorkerDied, WorkerError, worker_restarts
 
 RewardFn = Callable[..., list[float]]
 
@@ -72,6 +75,13 @@ def call_reward_fn(spec: str, prompts: list, completions: list[str], kwargs: dic
         raise TypeError(f"returned {r!r:.200}: expected a list of numbers ({e})") from None
 
 
+def reward_stats() -> dict[str, int]:
+    """Counters of this process's reward workers, logged with each iteration's metrics:
+    reward/worker_restarts, the worker processes started to replace one (user rewards, accuracy,
+    math-verify; dead, killed on a timeout, or broken protocol), since the process started."""
+    return {"reward/worker_restarts": worker_restarts()}
+
+
 def correctness_reward(prompts: Sequence, completions: Sequence[str], answer: Sequence[str],
                        use_math_verify: bool = False, **kwargs) -> list[float]:
     """1.0 when the extracted answer equals the ground truth, else 0.0."""
@@ -79,7 +89,10 @@ def correctness_reward(prompts: Sequence, completions: Sequence[str], answer: Se
     for text, truth in zip(completions, answer, strict=True):
         ok = answers_match(extract_answer(text), str(truth))
         if not ok and use_math_verify:
-            ok = math_verify_equal(text, str(truth))
+            try:
+                ok = math_verify_equal(text, str(truth))
+            except WorkerDied as e:  # math-verify's worker keeps dying: the run stops
+                raise RewardError(f"math-verify: {e}") from None
         out.append(1.0 if ok else 0.0)
     return out
 
@@ -158,7 +171,8 @@ def combined_reward(fns: Sequence[RewardFn | str], weights: Sequence[float], tim
     function and the bad value otherwise (a NaN reward would otherwise become NaN advantages,
     gradients and weights). With `timeout_s` > 0 every spec not defined in this module runs in
     one worker process (`BoundedWorker`, started now in the background), each call bounded by
-    `timeout_s`: a call that overruns kills the worker and raises `RewardError` saying so.
+    `timeout_s`: a call that overruns kills the worker and raises `RewardError` saying so; a
+    worker that dies is replaced (see the module's docstring). Its CPUs: `sandbox.set_worker_cpus`.
     Specs are loaded here too, so a bad one fails at start-up. Callables and this module's
     functions run in the calling thread. The worker stops when the returned function is
     garbage-collected, at exit, or on its `close()`."""
@@ -174,7 +188,9 @@ def combined_reward(fns: Sequence[RewardFn | str], weights: Sequence[float], tim
                 entries.append((f, fn, None))
         else:
             entries.append((getattr(f, "__name__", repr(f)), f, None))
-    worker = BoundedWorker(reward_specs=remote) if remote else None
+    # the worker loads the specs before it reports ready, so their import is no call's budget
+    warmup = [("periodic_async.reward.functions:worker_reward_fn", [spec]) for spec in remote]
+    worker = BoundedWorker(warmup=warmup) if remote else None
     if worker is not None:
         threading.Thread(target=_start_quietly, args=(worker,), daemon=True, name="reward-worker-start").start()
 
@@ -194,7 +210,7 @@ def combined_reward(fns: Sequence[RewardFn | str], weights: Sequence[float], tim
                               "(reward.timeout_s); its worker process was killed") from None
         except WorkerError as e:
             raise RewardError(f"reward function {name!r} raised {e}") from None
-        except RuntimeError as e:  # the worker process died (os._exit, a crash)
+        except RuntimeError as e:  # WorkerDied: it died MAX_DEATHS times in a row; or it did not restart
             raise RewardError(f"reward function {name!r}: {e}") from None
 
     def reward(prompts: Sequence, completions: Sequence[str], **kwargs) -> list[float]:
