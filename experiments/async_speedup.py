@@ -80,7 +80,7 @@ QUICK = {  # the same code paths at the smallest size
 
 SHARED_ASYNC_COLUMNS = ["shared_prompt", "mode", "tokens_per_s", "speedup", "mean_generate_s", "mean_train_s",
                         "tokens_per_s_min", "tokens_per_s_max", "speedup_min", "speedup_max", "bound", "efficiency",
-                        "repeats", "git_commit", "config_hash", "settings"]
+                        "repeats", "measured_iterations", "git_commit", "config_hash", "settings"]
 
 
 def combined_rows(shared: dict, per_response: dict) -> list[dict]:
@@ -102,7 +102,7 @@ def combined_rows(shared: dict, per_response: dict) -> list[dict]:
                          "speedup_max": round(paired.max, 3),
                          **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s")},
                          "bound": round(bound, 3), "efficiency": round(own / bound, 3) if mode != "sync-separated" else "",
-                         **r.provenance()})
+                         "measured_iterations": r.measured_iterations, **r.provenance()})
     product = (tps(shared["sync-separated"]) / tps(base)) * (tps(per_response["periodic-async"]) / tps(base))
     rows.append({"mode": "product", "speedup": round(product, 3)})
     return rows
@@ -170,11 +170,11 @@ def main(argv=None) -> list[dict]:
                      "efficiency_min": round(paired.min / bound, 3), "efficiency_max": round(paired.max / bound, 3),
                      "bound_overlapped": round(bound_overlapped, 3) if mode == "periodic-async" else "",
                      "speedup_vs_sync_colocated": round(tps[mode] / tps["sync-colocated"], 3),
-                     "devices": r.runs[0]["devices"], **r.provenance()})
+                     "devices": r.runs[0]["devices"], "measured_iterations": r.measured_iterations, **r.provenance()})
     columns = ["mode", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_sync_separated",
                "speedup_min", "speedup_max", "bound", "efficiency", "efficiency_min", "efficiency_max",
-               "bound_overlapped", "speedup_vs_sync_colocated", "repeats", "devices", "git_commit", "config_hash",
-               "settings"]
+               "bound_overlapped", "speedup_vs_sync_colocated", "repeats", "measured_iterations", "devices", "git_commit",
+               "config_hash", "settings"]
     out = Path(args.results)
     write_csv(out / f"{name}.csv", rows, columns)
     phases = [{"mode": m, **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s",

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from periodic_async.bench.analysis import compare_iteration
 from periodic_async.bench.plots import plot_equivalence
-from periodic_async.config import RunConfig, git_commit, load_config
+from periodic_async.config import RunConfig, cpu_name, git_commit, load_config
 from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -47,7 +47,7 @@ CASES = {"equivalent": ([], "ray"), "two-steps": (["algorithm.optimizer_steps_pe
          "real-model": (REAL_MODEL, "ray"),
          "real-model-two-steps": (REAL_MODEL + ["algorithm.optimizer_steps_per_iteration=2"], "local")}
 COLUMNS = ["case", "iteration", "samples", "identical_samples", "identical_fraction", "max_abs_weight_diff",
-           "max_abs_weight_change", "trained_in_other_order", "git_commit"]
+           "max_abs_weight_change", "trained_in_other_order", "git_commit", "cpu"]
 
 
 def _weights(run_dir: Path) -> dict:
@@ -124,7 +124,8 @@ def main(argv=None) -> list[dict]:
     commit = git_commit()
     for case in cases:
         overrides, backend = CASES[case]
-        rows += [{**r, "git_commit": commit} for r in run_case(case, extra + overrides + quick, backend, Path(args.runs))]
+        rows += [{**r, "git_commit": commit, "cpu": cpu_name()}
+                 for r in run_case(case, extra + overrides + quick, backend, Path(args.runs))]
     rows.sort(key=lambda r: (list(CASES).index(r["case"]), int(r["iteration"])))
     with (out / "equivalence.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -33,7 +33,7 @@ from periodic_async.trace import log_experiment, read_jsonl
 HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async"]
 COLUMNS = ["mode", "iteration", "wall_s", "first_group_s", "train_start_s", "generation_s",
-           "trains_while_generating", "trained_order", "git_commit"]
+           "trains_while_generating", "trained_order", "git_commit", "cpu"]
 
 
 def main(argv=None) -> list[dict]:
@@ -44,7 +44,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    from periodic_async.config import RunConfig, git_commit, load_config
+    from periodic_async.config import RunConfig, cpu_name, git_commit, load_config
     from periodic_async.pipeline import run
 
     extra = (["data.num_train=1000"] if args.quick else []) + list(args.overrides)
@@ -66,7 +66,7 @@ def main(argv=None) -> list[dict]:
             orders = trained_orders(read_jsonl(out / "fig1" / f"{mode}.rollouts.jsonl"))
             for r in iteration_phases(read_jsonl(out / "fig1" / f"{mode}.trace.jsonl")):
                 rows.append({"mode": mode, **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()},
-                             "trained_order": orders[r["iteration"]], "git_commit": commit})
+                             "trained_order": orders[r["iteration"]], "git_commit": commit, "cpu": cpu_name()})
     finally:
         engines.close()
     with (out / "fig1_timeline.csv").open("w", newline="") as f:

@@ -29,7 +29,7 @@ from periodic_async.trace import read_jsonl
 HERE = Path(__file__).resolve().parent
 COLUMNS = ["shared_prompt", "mode", "tokens_per_s", "speedup", "mean_generate_s", "mean_train_s",
            "mean_prompt_tokens", "tokens_per_s_min", "tokens_per_s_max", "speedup_min", "speedup_max", "repeats",
-           "git_commit", "config_hash", "settings"]
+           "measured_iterations", "git_commit", "config_hash", "settings"]
 
 
 def run_with_prompt_length(cfg: RunConfig, engines: SharedEngines) -> dict:
@@ -83,7 +83,8 @@ def main(argv=None) -> None:
                      "speedup": round(tps[name] / tps["per-response-sync-separated"], 3),
                      "speedup_min": round(paired.min, 3), "speedup_max": round(paired.max, 3),
                      **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s")},
-                     "mean_prompt_tokens": round(r.stats("mean_prompt_tokens").median, 1), **r.provenance()})
+                     "mean_prompt_tokens": round(r.stats("mean_prompt_tokens").median, 1),
+                     "measured_iterations": r.measured_iterations, **r.provenance()})
         print(f"[shared_async] {name}: {tps[name]:.0f} tokens/s (median of {r.repeats})")
     base = tps["per-response-sync-separated"]
     product = tps["shared-sync-separated"] / base * tps["per-response-periodic-async"] / base

@@ -36,7 +36,8 @@ import torch
 
 from periodic_async.bench.plots import plot_shared_prompt
 
-COLUMNS = ["P", "G", "R", "backend", "speedup", "token_bound", "efficiency", "peak_mem_ratio", "git_commit"]
+COLUMNS = ["P", "G", "R", "backend", "speedup", "token_bound", "efficiency", "peak_mem_ratio", "model", "repeats",
+           "git_commit", "cpu"]
 
 
 def make_group(vocab: int, P: int, G: int, R: int, seed: int):
@@ -142,7 +143,7 @@ def measure_point(model, P, G, R, backends, repeats, device, seed=0):
 
 
 def main(argv=None) -> None:
-    from periodic_async.config import ModelConfig, git_commit
+    from periodic_async.config import ModelConfig, cpu_name, git_commit
     from periodic_async.model import build_model, resolve_device
     from periodic_async.trace import log_experiment
     from periodic_async.data.tokenizer import ensure_tokenizer
@@ -171,7 +172,8 @@ def main(argv=None) -> None:
     print(f"{args.preset} fp32 on {device}, {args.threads} thread(s), {repeats} rounds, back-ends {backends}")
     rows, commit = [], git_commit()
     for P, G, R in grid:
-        rows += [{**r, "git_commit": commit} for r in measure_point(model, P, G, R, backends, repeats, device)]
+        rows += [{**r, "model": args.preset, "repeats": repeats, "git_commit": commit, "cpu": cpu_name()}
+                 for r in measure_point(model, P, G, R, backends, repeats, device)]
     out = Path(args.results_dir) / "shared_prompt.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:

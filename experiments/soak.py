@@ -40,7 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 COLUMNS = ["leg", "iteration", "time_s", "process", "pid", "rss_mib", "fds", "queue_depth_max", "worker_restarts",
-           "trace_mib", "event", "git_commit"]
+           "trace_mib", "event", "git_commit", "cpu"]
 SUMMARY = ["process", "leg", "pid", "first_iteration", "last_iteration", "samples_fitted", "rss_first_mib",
            "rss_last_mib", "rss_slope_mib_per_100_iterations"]
 
@@ -72,9 +72,9 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True, name="soak-sampler")
         self.leg, self.run_dir, self.engine, self.csv_path = leg, run_dir, engine, csv_path
         self.every, self.kill_at, self.t0 = every, kill_at, t0
-        from periodic_async.config import git_commit
+        from periodic_async.config import cpu_name, git_commit
 
-        self.commit = git_commit()
+        self.commit, self.cpu = git_commit(), cpu_name()
         self.stop = threading.Event()
         self.killed_pid: int | None = None
         metrics = run_dir / "metrics.jsonl"  # leg 2 appends to leg 1's: follow only the new lines
@@ -97,7 +97,7 @@ class Sampler(threading.Thread):
                       queue_depth_max=m.get("pipeline/queue_depth_max", ""),
                       worker_restarts=m.get("engine/worker_restarts", ""),
                       trace_mib=round(trace.stat().st_size / 2**20, 3) if trace.exists() else 0.0, event=event,
-                      git_commit=self.commit)
+                      git_commit=self.commit, cpu=self.cpu)
         procs = [("trainer", os.getpid())] + [(f"worker{w}", pid) for w, pid in enumerate(list(self.engine.pids))]
         with self.csv_path.open("a", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=COLUMNS)
@@ -197,7 +197,7 @@ def main() -> None:
 def report(args, csv_path: Path, summary_path: Path, wall: float) -> None:
     """Check the run went through (every iteration logged once, one restart of the killed worker),
     then write and print the summary."""
-    from periodic_async.config import git_commit
+    from periodic_async.config import cpu_name, git_commit
     from periodic_async.trace import read_jsonl
 
     steps = [m["step"] for m in read_jsonl(Path(args.runs) / "metrics.jsonl")]
@@ -211,13 +211,14 @@ def report(args, csv_path: Path, summary_path: Path, wall: float) -> None:
     summary, commit = summarize(csv_path, args.warmup), git_commit()
     with summary_path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SUMMARY + ["iterations", "wall_s", "restarted", "requests_resent",
-                                                         "git_commit"])
+                                                         "git_commit", "cpu"])
         writer.writeheader()
         for row in summary:
             new = row["pid"] == r["new_pid"]
             writer.writerow({**row, "iterations": args.iterations, "wall_s": round(wall),
                              "restarted": "yes" if new else ("killed" if row["pid"] == r["old_pid"] else ""),
-                             "requests_resent": len(r["resent"]) if new else "", "git_commit": commit})
+                             "requests_resent": len(r["resent"]) if new else "", "git_commit": commit,
+                             "cpu": cpu_name()})
     print(f"[soak] {args.iterations} iterations in {wall:.0f} s; resumed at {args.stop_at}; worker {r['worker']} "
           f"(pid {r['old_pid']}) SIGKILLed, restarted as pid {r['new_pid']} at version {r['version']}, "
           f"{len(r['resent'])} requests re-sent")

@@ -50,9 +50,9 @@ HERE = Path(__file__).resolve().parent
 IGNORE = ("trainer.output_dir", "logging.")  # not settings of the measured system
 MODES = ["sync-colocated", "sync-separated", "periodic-async"]
 COLUMNS = ["setting", "system", "shared_prompt", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "repeats",
-           "devices", "speedup_vs_trl", "speedup_vs_sync_colocated", "paper_speedup", "git_commit", "config_hash",
-           "speedup_vs_trl_min", "speedup_vs_trl_max", "mean_prompt_tokens", "samples_per_iteration", "trl_baseline",
-           "settings"]
+           "measured_iterations", "devices", "speedup_vs_trl", "speedup_vs_sync_colocated", "paper_speedup",
+           "git_commit", "config_hash", "speedup_vs_trl_min", "speedup_vs_trl_max", "mean_prompt_tokens",
+           "samples_per_iteration", "trl_baseline", "settings"]
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -192,8 +192,11 @@ def main(argv=None) -> list[dict]:
 
     out = Path(args.results)
     # With --settings, the other settings' rows of an earlier run are kept (one CSV, all settings).
-    rows = [r for r in read_csv(out / "table2_throughput.csv") if r["setting"] not in plan["settings"]]
-    checks = [r for r in read_csv(out / "table2_token_check.csv") if r["setting"] not in plan["settings"]]
+    # (an older row keeps the provenance it had: no cpu stamped on a row this machine did not measure)
+    rows = [{"cpu": "", "measured_iterations": "", **r} for r in read_csv(out / "table2_throughput.csv")
+            if r["setting"] not in plan["settings"]]
+    checks = [{"cpu": "", **r} for r in read_csv(out / "table2_token_check.csv")
+              if r["setting"] not in plan["settings"]]
     batch_rows, commit = [], git_commit()
     try:
         for setting in plan["settings"]:
@@ -222,6 +225,7 @@ def main(argv=None) -> list[dict]:
                 vs_trl = r.ratio(trl)
                 rows.append({
                     "setting": setting, "system": mode, "shared_prompt": shared, **r.row(["tokens_per_s"], 1),
+                    "measured_iterations": r.measured_iterations or cfg0.trainer.iterations - 1,  # TRL: steps 2..N
                     "devices": r.runs[0]["devices"],
                     "speedup_vs_trl": round(r.stats("tokens_per_s").median / trl.stats("tokens_per_s").median, 3),
                     "speedup_vs_sync_colocated": round(r.stats("tokens_per_s").median /

@@ -30,7 +30,7 @@ import torch
 
 from periodic_async import grpo
 from periodic_async.batching import MicroBatch, GroupSlice
-from periodic_async.config import AlgorithmConfig, ModelConfig, git_commit
+from periodic_async.config import AlgorithmConfig, ModelConfig, cpu_name, git_commit
 from periodic_async.group import Group
 from periodic_async.model import build_model, num_parameters
 from periodic_async.shared_prompt import token_logprobs
@@ -119,7 +119,7 @@ def main() -> None:
             "packed_tokens": inputs.packed.num_tokens, "label_tokens": inputs.num_tokens,
             "repeats": len(ts), "median_ms": round(1e3 * statistics.median(ts), 2),
             "ratio_vs_policy_only": round(statistics.median(t / b for t, b in zip(ts, base)), 3),
-            **mem, "memory_ratio": round(mem["total_bytes"] / one, 3), "git_commit": git_commit(),
+            **mem, "memory_ratio": round(mem["total_bytes"] / one, 3), "git_commit": git_commit(), "cpu": cpu_name(),
         })
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

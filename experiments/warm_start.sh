@@ -14,12 +14,13 @@ mkdir -p "$results"
 # sft.csv from the run's summary, and its W&B summary run (offline unless WANDB_MODE=online)
 python - "$out/sft_summary.json" "$results/sft.csv" <<'PY'
 import csv, json, sys
-from periodic_async.config import git_commit
+from periodic_async.config import cpu_name, git_commit
 from periodic_async.trace import log_experiment
 summary = json.load(open(sys.argv[1]))
 keys = ["model", "parameters", "steps", "examples_seen", "train_seconds", "eval_n", "accuracy_before", "accuracy_after"]
 with open(sys.argv[2], "w", newline="") as f:
-    w = csv.writer(f); w.writerow(keys + ["git_commit"]); w.writerow([summary[k] for k in keys] + [git_commit()])
+    w = csv.writer(f); w.writerow(keys + ["git_commit", "cpu"])
+    w.writerow([summary[k] for k in keys] + [git_commit(), cpu_name()])
 print(f"wrote {sys.argv[2]}")
 log_experiment("warm_start", [sys.argv[2]])
 PY

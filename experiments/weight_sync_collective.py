@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from periodic_async.config import RunConfig, git_commit, load_config
+from periodic_async.config import RunConfig, cpu_name, git_commit, load_config
 from periodic_async.engine import make_engine
 from periodic_async.model import load_policy, num_parameters
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += measure(preset, args.workers, args.repeats, args.tokenizer)
         print(rows[-2], rows[-1], sep="\n", flush=True)
     for row in rows:
-        row["git_commit"] = commit
+        row["git_commit"], row["cpu"] = commit, cpu_name()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:

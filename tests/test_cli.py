@@ -124,3 +124,20 @@ def test_tokenizer_command_builds_a_tokenizer(tmp_path, capsys, monkeypatch):
     tok = load_tokenizer(tmp_path / "tok")
     assert f"saved tokenizer with {len(tok)} tokens" in p.stdout
     assert tok.decode(tok.encode("12 + 30 = 42")) == "12 + 30 = 42"
+
+
+def test_help_lists_every_subcommand(tmp_path, capsys, monkeypatch):
+    """`python -m periodic_async --help` names every subcommand the CLI dispatches: those handed to
+    their own parsers (`argv[:1] == ["plan"]`, ...) and the ones of the main parser's choices, read
+    from the source so that a new subcommand must appear too."""
+    import re
+
+    source = (SRC / "periodic_async" / "__main__.py").read_text()
+    own = re.findall(r'argv\[:1\] == \["([\w-]+)"\]', source)
+    choices = re.search(r'add_argument\("command", choices=\[(.*?)\]', source, flags=re.S).group(1)
+    commands = own + re.findall(r'"([\w-]+)"', choices)
+    assert {"train", "sft", "eval", "plan", "prepare-model", "tokenizer"} <= set(commands), commands
+    p = _cli(["--help"], tmp_path, capsys, monkeypatch)
+    assert p.returncode == 0
+    for command in commands:
+        assert re.search(rf"^\s+{re.escape(command)}\s", p.stdout, flags=re.M), (command, p.stdout)

