@@ -1,5 +1,6 @@
-"""Checkpoints mean what they say: a run stopped (or failed) at iteration k and resumed from its
-checkpoint gives the uninterrupted run's tokens and weights (fp64); a checkpoint loads without
+"""Checkpoints mean what they say: a run stopped (or failed, or killed) at iteration k and resumed
+from its checkpoint gives the uninterrupted run's tokens, weights (fp64) and logs, row by row; a
+resume against other reference weights is refused; a checkpoint loads without
 pickle; only the last k are kept; a partial one is never resumed; a non-finite gradient leaves
 the last good checkpoint; after a failure on trainer ranks ddp's rank 0 saves alone and fsdp
 writes nothing; a failure while starting releases the engine; and SIGTERM stops the CLI
@@ -64,10 +65,14 @@ def engine(tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full(engine, tokenizer_dir, tmp_path_factory) -> RunConfig:
-    """The uninterrupted run: 3 iterations, a checkpoint after each, the last 2 kept."""
-    cfg = _cfg(tmp_path_factory.mktemp("full"), tokenizer_dir)
+    """The uninterrupted run: 3 iterations, a checkpoint after each, the last 2 kept, every
+    version evaluated on 4 held-out prompts (the last one at the end)."""
+    cfg = _cfg(tmp_path_factory.mktemp("full"), tokenizer_dir, **EVAL)
     run(cfg, engine=engine)
     return cfg
+
+
+EVAL = {"data.num_eval": 4, "trainer.eval_every": 1, "trainer.eval_at_end": True}
 
 
 class _BarrierFailsAt(LocalEngine):
@@ -82,16 +87,35 @@ class _BarrierFailsAt(LocalEngine):
         return super().update_weights(state_dict, version)
 
 
-@pytest.mark.parametrize("stop", ["stopped", "failed_barrier"])
+def _logs(out: Path) -> dict[str, list]:
+    """What the logs say, row by row in file order (duplicates and gaps show): per rollouts row
+    (iteration, position, prompt, tokens, rewards, version) sorted within its iteration (the
+    completion order may differ), the metrics rows' steps and eval versions, eval.jsonl's rows."""
+    rollouts = read_jsonl(out / "rollouts.jsonl")
+    iterations = [r["iteration"] for r in rollouts]
+    groups = sorted((r["iteration"], r["position"], r["prompt_index"], r["response_ids"], r["rewards"], r["version"])
+                    for r in rollouts)
+    metrics = [(m["step"], m.get("eval/version")) for m in read_jsonl(out / "metrics.jsonl")]
+    evals = [(r["step"], r["correct"]) for r in read_jsonl(out / "eval.jsonl")]
+    return {"iterations": iterations, "groups": groups, "metrics": metrics, "evals": evals}
+
+
+@pytest.mark.parametrize("stop", ["stopped", "failed_barrier", "killed"])
 def test_resume_matches_uninterrupted(stop, engine, full, tokenizer_dir, tmp_path):
-    """Stopped after 2 iterations (trainer.iterations=2), or killed by a failed barrier to
-    version 2 after iteration 1's optimizer step: checkpoint-2 holds theta_2 (the label matches
+    """Stopped after 2 iterations (trainer.iterations=2, version 2 evaluated at its end), killed
+    by a failed barrier to version 2 after iteration 1's optimizer step, or killed hard after
+    iteration 2's books but before its checkpoint: checkpoint-2 holds theta_2 (the label matches
     the weights: the uninterrupted run's checkpoint-2), and resume=auto continues with the
-    uninterrupted run's tokens and weights (fp64)."""
-    part = _cfg(tmp_path, tokenizer_dir, **({"trainer.iterations": 2} if stop == "stopped" else {}))
+    uninterrupted run's tokens and weights (fp64). The logs are the uninterrupted run's, row by
+    row: each iteration once, in order (the rows past the checkpoint are dropped on resume, a
+    failed barrier keeps the books of the iteration it stepped), each version evaluated once."""
+    if stop == "killed":  # the uninterrupted run's directory without its last checkpoint
+        shutil.copytree(full.trainer.output_dir, tmp_path, symlinks=True, dirs_exist_ok=True)
+        shutil.rmtree(tmp_path / "checkpoint-3")
+    part = _cfg(tmp_path, tokenizer_dir, **EVAL, **({"trainer.iterations": 2} if stop == "stopped" else {}))
     if stop == "stopped":
         run(part, engine=engine)
-    else:
+    elif stop == "failed_barrier":
         flaky = _BarrierFailsAt.from_config(part.engine, part.model)
         with pytest.raises(ConnectionError, match="version 2"):
             run(part, engine=flaky)
@@ -100,13 +124,13 @@ def test_resume_matches_uninterrupted(stop, engine, full, tokenizer_dir, tmp_pat
     assert json.loads((ckpt / "checkpoint.json").read_text())["iteration"] == 2
     assert max_abs_diff(checkpoint_weights(ckpt), checkpoint_weights(Path(full.trainer.output_dir) / "checkpoint-2")) <= 1e-10
 
-    resumed = _cfg(tmp_path, tokenizer_dir, **{"trainer.resume": "auto"})
+    resumed = _cfg(tmp_path, tokenizer_dir, **EVAL, **{"trainer.resume": "auto"})
     run(resumed, engine=engine)
-    got, want = _by_prompt(resumed), _by_prompt(full)
-    if stop == "failed_barrier":  # iteration 1 died at its barrier: its books were not kept
-        want = {k: v for k, v in want.items() if k[0] != 1}
-    assert got == want
-    assert {k[0] for k in got} == ({0, 1, 2} if stop == "stopped" else {0, 2})
+    got, want = _logs(tmp_path), _logs(Path(full.trainer.output_dir))
+    assert got["iterations"] == [0] * 6 + [1] * 6 + [2] * 6
+    assert got["groups"] == want["groups"]
+    assert got["metrics"] == want["metrics"] == [(1, 0), (2, 1), (3, 2), (3, 3)]
+    assert got["evals"] == want["evals"] and [v for v, _ in got["evals"]] == [0, 1, 2, 3]
     final = Path(resumed.trainer.output_dir) / checkpoint.LATEST
     assert final.resolve().name == "checkpoint-3"
     w0 = load_policy(full.model)[0].state_dict()
@@ -133,6 +157,7 @@ def test_checkpoint_loads_without_pickle(full):
     info = json.loads((ckpt / "checkpoint.json").read_text())
     assert info["iteration"] == info["version"] == info["data_position"]["iteration"] == 3
     assert info["reference"] == {"name_or_path": "qwen2-1m", "seed": 3}
+    assert info["reference_weights"] == checkpoint.reference_hash(load_policy(full.model)[0])
 
     policy, _ = load_policy(full.model)
     consumer = Consumer(policy, full)
@@ -155,6 +180,57 @@ def test_resume_keeps_the_original_reference(full):
     policy, _ = load_policy(wrong.model)
     with pytest.raises(ValueError, match="reference"):
         checkpoint.load(ckpt, policy, Consumer(policy, wrong), wrong)
+
+
+def test_truncate_logs_keeps_what_the_checkpoint_holds(tmp_path):
+    """`truncate_logs(out, 2)` (a resume from checkpoint-2) keeps the rollouts of iterations 0-1,
+    the metrics of steps 1-2 less an evaluation of version 2 (logged at the end of a stopped
+    run), eval.jsonl's versions 0-1, drops the unfinished line a hard kill left, and leaves the
+    trace whole."""
+    from periodic_async.pipeline import truncate_logs
+
+    def write(name, rows, tail=""):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+    write("rollouts.jsonl", [{"iteration": t, "position": p} for t in range(3) for p in range(2)], '{"iterati')
+    write("metrics.jsonl", [{"step": 1, "eval/version": 0}, {"step": 2, "eval/version": 1},
+                            {"step": 2, "eval/version": 2}, {"step": 3, "eval/version": 2}, {"step": 4}])
+    write("eval.jsonl", [{"step": v} for v in range(4)])
+    write("trace.jsonl", [{"name": "generate"}] * 3)
+    truncate_logs(tmp_path, 2)
+    assert [(r["iteration"], r["position"]) for r in read_jsonl(tmp_path / "rollouts.jsonl")] == \
+        [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "eval/version": 0}, {"step": 2, "eval/version": 1}]
+    assert read_jsonl(tmp_path / "eval.jsonl") == [{"step": 0}, {"step": 1}]
+    assert len(read_jsonl(tmp_path / "trace.jsonl")) == 3 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_resume_refuses_other_reference_weights(engine, tokenizer_dir, tmp_path):
+    """The reference is checked by its weights, not its path: a run from a model directory saves
+    checkpoint-1; the directory's weights are then changed in place (as GRPOTrainer rewrites
+    <output_dir>/initial_model from another in-memory model); the resume is refused with one
+    line naming both weight hashes, before anything is trained. (The same weights resume:
+    test_resume_matches_uninterrupted.)"""
+    model_dir = tmp_path / "model"
+    base = _cfg(tmp_path / "run", tokenizer_dir)
+    policy, tokenizer = load_policy(base.model)
+    policy.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    cfg = _cfg(tmp_path / "run", tokenizer_dir, **{"model.name_or_path": str(model_dir), "trainer.iterations": 1})
+    run(cfg, engine=engine)
+    recorded = json.loads((tmp_path / "run" / "checkpoint-1" / "checkpoint.json").read_text())["reference_weights"]
+    with torch.no_grad():
+        next(policy.parameters()).add_(0.01)
+    policy.save_pretrained(model_dir)
+    resumed = _cfg(tmp_path / "run", tokenizer_dir, **{"model.name_or_path": str(model_dir), "trainer.iterations": 2,
+                                                       "trainer.resume": "auto"})
+    with pytest.raises(ValueError) as refused:
+        run(resumed, engine=engine)
+    message = str(refused.value)
+    assert "\n" not in message and recorded in message and str(model_dir) in message, message
+    now = checkpoint.reference_hash(load_policy(resumed.model)[0])
+    assert now != recorded and now in message
+    assert list(checkpoint.complete_checkpoints(tmp_path / "run")) == [1], "nothing may be trained"
 
 
 def test_keep_last_k(full):

@@ -135,48 +135,100 @@ def test_lr_schedule_settings_are_validated(tokenizer):
         Consumer(build_model(cfg.model, tokenizer), cfg)
 
 
+def _pinned_cores():
+    """Cores 0 and 1 of this process (the tests pin the trainer to one, the engine to the other)."""
+    from periodic_async.parallel import affinity
+
+    cores = affinity.available_cores()
+    if not affinity.SUPPORTED or len(cores) < 2:
+        pytest.skip("needs CPU affinity and 2 cores")
+    return cores[:2]
+
+
 def test_threads_after_generation_default_takes_the_engines_cores():
     """trainer.threads_after_generation='auto' (the default): on CPU the trainer takes its own
-    threads plus the separate engine workers' (capped at the machine's cores) once generation
-    ends; where no cores are freed (sync-colocated, the in-process engine, an accelerator,
-    trainer ranks) it keeps trainer.threads; an explicit N is N, 0 keeps trainer.threads."""
+    threads plus the separate engine workers' (capped at the cores the run holds, not at the
+    cores of the already pinned trainer thread) once generation ends; where no cores are freed
+    (sync-colocated, the in-process engine, an accelerator, trainer ranks) it keeps
+    trainer.threads; an explicit N is N, 0 keeps trainer.threads. Asked from a thread pinned to
+    one core (as the trainer's is during a run), with the run's two cores as `held`."""
     import os
 
     from periodic_async.consumer import threads_after_generation
 
-    cores = len(os.sched_getaffinity(0))
+    engine_core, trainer_core = _pinned_cores()
+    held = [engine_core, trainer_core]
     two_workers = {"engine.backend": "ray", "engine.num_workers": 2, "engine.threads_per_worker": 1,
                    "trainer.threads": 1, "pipeline.mode": "periodic-async"}
-    assert run_cfg(**two_workers).trainer.threads_after_generation == "auto"
-    assert threads_after_generation(run_cfg(**two_workers)) == min(cores, 3)
-    assert threads_after_generation(run_cfg(**{**two_workers, "pipeline.mode": "sync-separated"})) == min(cores, 3)
-    for kept in ({"pipeline.mode": "sync-colocated"}, {"engine.backend": "local"}, {"model.device": "cuda"}):
-        assert threads_after_generation(run_cfg(**{**two_workers, **kept})) == 1, kept
-    assert threads_after_generation(run_cfg(**two_workers), distributed=True) == 1
-    assert threads_after_generation(run_cfg(**{**two_workers, "trainer.threads_after_generation": 5})) == 5
-    assert threads_after_generation(run_cfg(**{**two_workers, "trainer.threads_after_generation": 0})) == 1
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, [trainer_core])  # the trainer's thread, pinned
+    try:
+        assert run_cfg(**two_workers).trainer.threads_after_generation == "auto"
+        assert threads_after_generation(run_cfg(**two_workers), held=held) == 2
+        assert threads_after_generation(run_cfg(**{**two_workers, "pipeline.mode": "sync-separated"}), held=held) == 2
+        one = {**two_workers, "engine.num_workers": 1}
+        assert threads_after_generation(run_cfg(**one), held=held) == 2
+        for kept in ({"pipeline.mode": "sync-colocated"}, {"engine.backend": "local"}, {"model.device": "cuda"}):
+            assert threads_after_generation(run_cfg(**{**two_workers, **kept}), held=held) == 1, kept
+        assert threads_after_generation(run_cfg(**two_workers), distributed=True, held=held) == 1
+        assert threads_after_generation(run_cfg(**{**two_workers, "trainer.threads_after_generation": 5})) == 5
+        assert threads_after_generation(run_cfg(**{**two_workers, "trainer.threads_after_generation": 0})) == 1
+    finally:
+        os.sched_setaffinity(0, before)
+    assert threads_after_generation(run_cfg(**two_workers)) == min(len(before), 3)  # unpinned: this process's cores
 
 
 def test_trainer_takes_the_freed_cores_once_generation_is_done(tokenizer):
-    """With the engines idle (generation_done set) the iteration trains on the freed cores and
-    gives them back at its end."""
+    """Pinned as a run pins it (engine worker on one core, the trainer on the other): once the
+    engines are idle (generation_done set) the trainer trains on 2 torch threads whose cores are
+    its own and the engine's (the consumer's thread and its OpenMP threads, read back from the
+    OS), and at the iteration's end (the barrier) it is back to 1 thread on its own core. The
+    producer's thread (on the engine's core) is never moved onto the trainer's."""
     import os
     import threading
 
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 cores")
-    cfg = run_cfg(**{"engine.backend": "ray", "engine.num_workers": 1, "trainer.threads": 1})
-    consumer = Consumer(build_model(cfg.model, tokenizer), cfg)
-    idle, seen = threading.Event(), []
-    idle.set()
+    from periodic_async.parallel import affinity
 
-    class Watch(list):  # records the torch threads in use as the trainer takes each group
+    engine_core, trainer_core = _pinned_cores()
+    cfg = run_cfg(**{"engine.backend": "ray", "engine.num_workers": 1, "engine.threads_per_worker": 1,
+                     "trainer.threads": 1, "pipeline.mode": "periodic-async",
+                     "engine.cpu_affinity": engine_core, "trainer.cpu_affinity": trainer_core})
+    plan = affinity.plan(cfg)
+    assert plan == affinity.Plan([trainer_core], [engine_core], [[engine_core]])
+    consumer = Consumer(build_model(cfg.model, tokenizer), cfg, pinned=affinity.Pinned(plan))
+    idle, seen, stop, ready = threading.Event(), [], threading.Event(), threading.Event()
+    # as the run's: started once the trainer is pinned, pinning itself to the producer's cores
+    producer = threading.Thread(target=lambda: (affinity.pin_thread(plan.producer), ready.set(), stop.wait()),
+                                name="producer-0")
+
+    def tasks():  # every thread of this process and its cores
+        return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
+
+    class Watch(list):  # the trainer's torch threads and cores as it takes each group
         def __iter__(self):
             for g in super().__iter__():
                 yield g
-                seen.append(torch.get_num_threads())
+                seen.append((torch.get_num_threads(), os.sched_getaffinity(0), os.sched_getaffinity(producer.native_id),
+                             tasks()))
+                idle.set()  # generation ends after the first group
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    m = consumer.train_iteration(Watch(make_groups(tokenizer)), 0, 0, engines_idle=idle)
-    assert m["threads_raised_at"] is not None and 2 in seen
-    assert torch.get_num_threads() == 1
+    try:
+        with consumer.pinned:
+            producer.start(), ready.wait()
+            m = consumer.train_iteration(Watch(make_groups(tokenizer)), 0, 0, engines_idle=idle)
+            after = (torch.get_num_threads(), os.sched_getaffinity(0), tasks())
+    finally:
+        stop.set()
+        if producer.is_alive():
+            producer.join()
+        torch.set_num_threads(threads)
+    both = {engine_core, trainer_core}
+    assert m["threads_raised_at"] is not None
+    assert seen[0][:3] == (1, {trainer_core}, {engine_core})  # generating: the trainer on its own core
+    assert seen[1][:3] == (2, both, {engine_core})  # generation done: its core and the engine's
+    widened = [t for t, cores in seen[1][3].items() if cores == both]
+    assert len(widened) >= 2, seen[1][3]  # the consumer's thread and the OpenMP thread it started
+    assert after[:2] == (1, {trainer_core})  # the barrier: back to its own core
+    assert all(after[2][t] == {trainer_core} for t in widened if t in after[2]), after[2]

@@ -3,8 +3,9 @@ uneven (and empty) shares of an iteration's groups give the single-process updat
 lays policy / old / ref out alike so that refreshing old needs no communication, checkpoints
 written by 2 ranks (ddp, fsdp) are a single process's and resume in either (the uninterrupted
 run's tokens and weights), and a torchrun run of `python -m periodic_async train` follows the
-single-process run. The module's tests share two rank processes (`RankPool`): each test's rank
-function runs in them as torchrun's ranks would run it, without paying their start-up again."""
+single-process run, held-out evaluation included. The module's tests share two rank processes
+(`RankPool`): each test's rank function runs in them as torchrun's ranks would run it, without
+paying their start-up again."""
 
 import datetime
 import json
@@ -375,3 +376,24 @@ def test_resume_matches_uninterrupted(rank_pool, tokenizer_dir, tmp_path, parall
     assert ranks_state["optimizer"]["state"].keys() == one_state["optimizer"]["state"].keys()
     assert max((a[k] - b[k]).abs().max().item() for i, a in ranks_state["optimizer"]["state"].items()
                for b in [one_state["optimizer"]["state"][i]] for k in ("exp_avg", "exp_avg_sq")) <= 1e-10
+
+
+def test_ranks_with_held_out_evaluation_match_single_process(rank_pool, tokenizer_dir, tmp_path):
+    """2 trainer ranks with held-out evaluation every version (data.num_eval=16,
+    trainer.eval_every=1): rank 0 leaves an iteration once every group is claimed, while the
+    held-out requests may still be generating; its barrier waits for them (a push into a
+    generating engine raises). The ranks sample the single process's tokens, evaluate the same
+    versions with the same results and end on its weights (fp64, <= 1e-10)."""
+    from periodic_async.pipeline import run
+    from periodic_async.trace import read_jsonl
+
+    extra = {"data.num_eval": 16, "trainer.eval_every": 1, "trainer.iterations": 2, "trainer.save_every": 0}
+    ranks, one = tmp_path / "ranks", tmp_path / "one"
+    rank_pool.run(_pipeline_ranks, (2, [_free_port()], str(tokenizer_dir), "ddp", [(str(ranks), extra)]))
+    run(_ckpt_cfg(tokenizer_dir, one, "ddp", **extra))
+    key = lambda r: (r["iteration"], r["position"], r["prompt_index"], r["version"])  # noqa: E731
+    rows = {d: {key(r): r["response_ids"] for r in read_jsonl(d / "rollouts.jsonl")} for d in (ranks, one)}
+    assert rows[ranks] == rows[one] and len(rows[ranks]) == 2 * 6
+    evals = {d: [(r["step"], r["correct"]) for r in read_jsonl(d / "eval.jsonl")] for d in (ranks, one)}
+    assert [s for s, _ in evals[ranks]] == [0, 1] and evals[ranks] == evals[one]
+    assert _diff(_ckpt_weights(ranks / "checkpoint-2"), _ckpt_weights(one / "checkpoint-2")) <= 1e-10

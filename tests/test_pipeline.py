@@ -76,12 +76,21 @@ def test_extra_optimizer_step_breaks_equivalence(tokenizer_dir, tmp_path):
 
 
 def test_producer_delivers_each_group_once_with_its_version(engine, tokenizer_dir, tmp_path):
+    """Each iteration trains its B requests once each: the rows of iteration t are t's B
+    distinct positions, in one block, each holding the prompt the data gives that position,
+    sampled by version t, with G responses."""
+    from periodic_async.data import iteration_prompts, load_examples
+
     cfg = _cfg(tmp_path, tokenizer_dir, "periodic-async", **{"trainer.iterations": 2})
     run(cfg, engine=engine)
     rows = _rollouts(cfg)
+    assert [r["iteration"] for r in rows] == [0] * 6 + [1] * 6
+    examples = load_examples(cfg.data, "train")
     for it in range(2):
         mine = [r for r in rows if r["iteration"] == it]
         assert sorted(r["position"] for r in mine) == list(range(6))
+        prompts = [i for i, _ in iteration_prompts(examples, it, 6, cfg.data.seed)]
+        assert all(r["prompt_index"] == prompts[r["position"]] for r in mine)
         assert {r["version"] for r in mine} == {it}
         assert all(len(r["response_ids"]) == 3 for r in mine)
 

@@ -234,6 +234,41 @@ def test_trainer_logprobs_match_engine_at_temperature(tokenizer):
     assert raw_gap.mean() > 1e-2, raw_gap.mean()
 
 
+def test_behaviour_is_on_policy_is_numerics_only(tokenizer):
+    """The engines' importance ratio (algorithm.behaviour_is, TRL's vLLM correction) on samples of
+    the built-in engine (float32, the trainer's weights): on-policy it is 1 within 1e-4 for every
+    sequence, and the gradient moves by numerics only (relative 1e-4); in async-offpolicy the old
+    log-probs are the behaviour's, so the ratio is exactly 1."""
+    import copy
+
+    from periodic_async.engine import Request, SamplingParams
+    from periodic_async.engine.local import LocalEngine
+
+    policy = build_model(ModelConfig(name_or_path="qwen2-1m", device="cpu", seed=1), tokenizer)
+    engine = LocalEngine(copy.deepcopy(policy), tokenizer, max_num_seqs=4)
+    params = SamplingParams(max_tokens=12, temperature=1.0)
+    prompts = [tokenizer("Ava has 3 apples. How many?").input_ids, tokenizer("Ben finds 2 pens.").input_ids]
+    outs = list(engine.generate([Request(f"r{i}", p, 4, params, seed=i) for i, p in enumerate(prompts)]))
+    groups = [Group(i, 0, 0, prompts[int(o.request_id[1:])], [s.token_ids for s in o.samples],
+                    [s.logprobs for s in o.samples], [1.0, 0.0, 0.5, 0.2],
+                    grpo.group_advantages([1.0, 0.0, 0.5, 0.2]).tolist()) for i, o in enumerate(outs)]
+    (inputs,) = [mb.build(shared=True) for mb in split_groups(groups, max_tokens=4096)]
+
+    def gradient(tri: TriModel) -> tuple[torch.Tensor, dict]:
+        tri.policy.zero_grad(set_to_none=True)
+        acc = grpo.LossAccumulator("token-mean")
+        tri.micro_step(inputs, acc)
+        acc.finalize_gradients(tri.policy.parameters())
+        return torch.cat([p.grad.flatten() for p in tri.policy.parameters()]), acc.metrics()
+
+    plain, _ = gradient(TriModel(policy, cfg_of()))
+    corrected, m = gradient(TriModel(policy, cfg_of(behaviour_is="sequence_mask", behaviour_is_min=0.5)))
+    assert abs(m["is_ratio_min"] - 1) < 1e-4 and abs(m["is_ratio_max"] - 1) < 1e-4 and m["is_ratio_cut"] == 0
+    assert (corrected - plain).norm() < 1e-4 * plain.norm()
+    _, off = gradient(TriModel(policy, cfg_of(behaviour_is="token_truncate"), old_from_behaviour=True))
+    assert off["is_ratio_min"] == off["is_ratio_max"] == 1.0
+
+
 @pytest.mark.parametrize("preset", ["qwen2-1m", "llama-micro"])
 def test_shared_prompt_packing_matches_per_response_through_the_tri_model(tokenizer, preset):
     """After one optimizer step (so policy, old and ref all differ: ratio != 1, KL != 0), the policy,

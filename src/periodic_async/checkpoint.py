@@ -9,7 +9,8 @@ Layout under `trainer.output_dir`:
                              directory (usable as model.name_or_path), plus the tokenizer
         trainer_state.pt     optimizer, lr-scheduler (and fp16 loss-scaler) state
         rng_state.pt         torch CPU (and CUDA) generators, python `random`, numpy's global RNG
-        checkpoint.json      iteration, version, data position, the reference's source
+        checkpoint.json      iteration, version, data position, the reference's source and
+                             the hash of its weights
         complete             the marker, written last
     checkpoint -> checkpoint-<newest>   a symbolic link, moved after each save
 
@@ -26,11 +27,14 @@ Guarantees:
   loaded with `torch.load(weights_only=True)`; checkpoint.json is JSON.
 - The data position is the iteration. An iteration's prompts are a pure function of
   (iteration, data.seed) (`data.iteration_prompts`), and each request's sampling seed one of
-  (data.seed, iteration, prompt) (`producer.request_seed`): t is all a resume needs.
+  (data.seed, iteration, position in the iteration) (`producer.request_seed`): t is all a resume needs.
 - The reference is the original run's. The tri-model's ref is the run's initial weights,
   built from `model.name_or_path` (and `model.seed` for a preset), never from a checkpoint:
-  the checkpoint records that source, and a resume whose config names another one is refused
-  (e.g. model.name_or_path pointing at the checkpoint, whose ref would be the resumed policy).
+  the checkpoint records that source and a hash of those weights (`reference_hash`, computed
+  once at the start of the run), and a resume whose initial weights hash otherwise is refused,
+  whatever the path says (e.g. model.name_or_path pointing at the checkpoint, whose ref would be
+  the resumed policy; a model directory rewritten in place with other weights). A checkpoint
+  without the hash (or a caller that gives none) is checked by its source instead.
 - One format for every layout. Trainer ranks (torchrun; distributed.py) write the single
   process's files: under ddp rank 0 holds the whole state, under fsdp it is gathered to rank
   0's CPU first; rank 0 alone writes, every rank takes part in each save (`trainer.save_every`,
@@ -49,6 +53,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -114,6 +119,19 @@ def reference_source(model: ModelConfig) -> dict:
     return {"name_or_path": model.name_or_path, "seed": model.seed}
 
 
+def reference_hash(model) -> str:
+    """The identity of the reference's weights: sha256 (its first 16 hex digits) over every
+    tensor of `model.state_dict()` in name order, with its name, dtype and shape. Computed on
+    the initial policy as loaded (model.dtype), before any step; the same weights give the same
+    hash on any device and in any process."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()[:16]
+
+
 def remove_all(out_dir: Path) -> None:
     """A fresh run: the earlier run's checkpoints (complete or not) and the link go."""
     out_dir = Path(out_dir)
@@ -127,26 +145,29 @@ def remove_all(out_dir: Path) -> None:
     (out_dir / f"{LATEST}.link-tmp").unlink(missing_ok=True)
 
 
-def save(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunConfig, collective: bool = True) -> Path:
+def save(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunConfig, collective: bool = True,
+         reference: str | None = None) -> Path:
     """Write checkpoint-<iteration> atomically, move the link, keep the last trainer.keep_last.
     Trainer ranks: every rank calls it (`collective`): the whole state comes to rank 0 (a gather
     under fsdp), rank 0 writes, and every rank returns once the checkpoint is complete, or
     raises if writing it failed. collective=False: rank 0 writes what it holds, alone (after a
-    failure, where the other ranks may never join; not possible under fsdp)."""
+    failure, where the other ranks may never join; not possible under fsdp). `reference`: the
+    `reference_hash` of the run's initial weights, recorded for the resume's check."""
     ranks = consumer.ranks
     with interrupt.deferred():
         if collective:
             weights, optimizer = ranks.checkpoint_state(policy, consumer.optimizer)
             return ranks.from_main(lambda: _write(out_dir, iteration, policy, tokenizer, consumer, cfg, weights,
-                                                  optimizer))
+                                                  optimizer, reference))
         if ranks.lockstep or not ranks.is_main:
             raise RuntimeError("checkpoint.save(collective=False): only one process or ddp's rank 0 holds the "
                                "whole state")
-        return _write(out_dir, iteration, policy, tokenizer, consumer, cfg, None, consumer.optimizer.state_dict())
+        return _write(out_dir, iteration, policy, tokenizer, consumer, cfg, None, consumer.optimizer.state_dict(),
+                      reference)
 
 
 def _write(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunConfig, weights: dict | None,
-           optimizer: dict) -> Path:
+           optimizer: dict, reference: str | None = None) -> Path:
     """The files of checkpoint-<iteration> (weights: the policy's, whole; None: its own state dict)."""
     out_dir = Path(out_dir)
     final, tmp = path(out_dir, iteration), out_dir / f"checkpoint-{iteration}.tmp"
@@ -163,6 +184,7 @@ def _write(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunC
         "data_position": {"iteration": iteration, "seed": cfg.data.seed,
                           "note": "the prompts of iteration t are data.iteration_prompts(t, data.seed)"},
         "reference": reference_source(cfg.model), "saved_at": time.time(),
+        **({"reference_weights": reference} if reference is not None else {}),
         "trainer_ranks": consumer.ranks.world_size,
     }, indent=2))
     (tmp / MARKER).write_text(f"{iteration}\n")
@@ -176,19 +198,29 @@ def _write(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunC
     return final
 
 
-def resume(cfg: RunConfig, consumer) -> Path | None:
+def resume(cfg: RunConfig, consumer, reference: str | None = None) -> Path | None:
     """Load the checkpoint `trainer.resume` names (`resume_dir`) into `consumer`; returns it, or
     None for a fresh start. Trainer ranks: every rank calls it; rank 0 finds the checkpoint (its
-    output directory) and the ranks load it together."""
+    output directory) and the ranks load it together. `reference`: the `reference_hash` of this
+    run's initial weights (rank 0's), which must be the checkpoint's."""
     ckpt = consumer.ranks.from_main(lambda: resume_dir(cfg))
     if ckpt is not None:
-        load(ckpt, consumer.policy, consumer, cfg)
+        load(ckpt, consumer.policy, consumer, cfg, reference)
     return ckpt
 
 
-def _read_info(ckpt: Path, cfg: RunConfig) -> dict:
-    """checkpoint.json, refused when the config's reference source differs from the checkpoint's."""
+def _read_info(ckpt: Path, cfg: RunConfig, reference: str | None = None) -> dict:
+    """checkpoint.json, refused when this run's reference differs from the checkpoint's: by the
+    hash of the weights when both are known (`reference`), else by the source."""
     info = json.loads((ckpt / "checkpoint.json").read_text())
+    if reference is not None and info.get("reference_weights") is not None:
+        if info["reference_weights"] != reference:
+            raise ValueError(f"trainer.resume: checkpoint {str(ckpt)!r} was trained against reference weights "
+                             f"{info['reference_weights']} ({info['reference']}), this run's initial weights from "
+                             f"model.name_or_path={cfg.model.name_or_path!r} (model.seed={cfg.model.seed}) hash to "
+                             f"{reference}: resume with the original run's initial weights (the reference is the "
+                             "initial weights, not the checkpoint)")
+        return info
     if info["reference"] != reference_source(cfg.model):
         raise ValueError(f"trainer.resume: checkpoint {str(ckpt)!r} was trained against the reference "
                          f"{info['reference']}, this run's model.name_or_path={cfg.model.name_or_path!r} "
@@ -206,15 +238,16 @@ def _read_weights(ckpt: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     return saved
 
 
-def load(ckpt: Path, policy, consumer, cfg: RunConfig) -> int:
+def load(ckpt: Path, policy, consumer, cfg: RunConfig, reference: str | None = None) -> int:
     """Restore the policy (and old), optimizer, scheduler and RNG states from `ckpt` into a
     consumer built from `cfg` (whose ref is the initial weights); returns the iteration to
-    run next. Refuses a config whose reference source differs from the checkpoint's.
+    run next. Refuses a run whose reference differs from the checkpoint's (`_read_info`:
+    `reference` is the `reference_hash` of its initial weights; None: its source is compared).
     Trainer ranks: every rank calls it (rank 0's `ckpt` counts; the others may not see it)."""
     if consumer.ranks.distributed:
-        return _load_ranks(Path(ckpt) if ckpt is not None else None, policy, consumer, cfg)
+        return _load_ranks(Path(ckpt) if ckpt is not None else None, policy, consumer, cfg, reference)
     ckpt = Path(ckpt)
-    info = _read_info(ckpt, cfg)
+    info = _read_info(ckpt, cfg, reference)
     device = next(policy.parameters()).device
     saved = _read_weights(ckpt, str(device))
     result = policy.load_state_dict(saved, strict=False)
@@ -231,13 +264,13 @@ def load(ckpt: Path, policy, consumer, cfg: RunConfig) -> int:
     return int(info["iteration"])
 
 
-def _load_ranks(ckpt: Path | None, policy, consumer, cfg: RunConfig) -> int:
+def _load_ranks(ckpt: Path | None, policy, consumer, cfg: RunConfig, reference: str | None = None) -> int:
     """`load` on trainer ranks: rank 0 reads the files; weights and optimizer state go to every
     rank's (sharded) models through torch.distributed.checkpoint, the rest in one broadcast."""
     ranks, local = consumer.ranks, {}
 
     def read() -> dict:
-        info = _read_info(ckpt, cfg)
+        info = _read_info(ckpt, cfg, reference)
         local["weights"] = _read_weights(ckpt)
         local["trainer"] = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         local["rng"] = torch.load(ckpt / "rng_state.pt", weights_only=True)
@@ -262,15 +295,18 @@ class Checkpoints:
     Trainer ranks: every rank keeps one and calls `every` and `save` at the same points of the
     loop (a save is collective); `after_failure` is rank 0's alone."""
 
-    def __init__(self, cfg: RunConfig, policy, tokenizer, consumer) -> None:
+    def __init__(self, cfg: RunConfig, policy, tokenizer, consumer, reference: str | None = None) -> None:
         self.cfg, self.policy, self.tokenizer, self.consumer = cfg, policy, tokenizer, consumer
+        self.reference = reference
+        """The `reference_hash` of the run's initial weights, written into each checkpoint."""
         self.out = Path(cfg.trainer.output_dir)
         self.start = consumer.version
         self.saved: set[int] = set()
 
     def save(self, iteration: int, collective: bool = True) -> Path:
         if iteration not in self.saved:
-            save(self.out, iteration, self.policy, self.tokenizer, self.consumer, self.cfg, collective=collective)
+            save(self.out, iteration, self.policy, self.tokenizer, self.consumer, self.cfg, collective=collective,
+                 reference=self.reference)
             self.saved.add(iteration)
         return path(self.out, iteration)
 
@@ -305,7 +341,8 @@ def _prune(out_dir: Path, newest: int, keep_last: int) -> None:
     for p in [*out_dir.glob("checkpoint-*.tmp"), *out_dir.glob("checkpoint-*.old")]:
         shutil.rmtree(p, ignore_errors=True)
     found = complete_checkpoints(out_dir)
-    kept = [t for t in found if t <= newest][-keep_last:]
+    upto = [t for t in found if t <= newest]
+    kept = upto[-keep_last:] if keep_last else upto  # keep_last 0: every one
     for t, p in found.items():
         if t not in kept:
             shutil.rmtree(p)

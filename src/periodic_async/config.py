@@ -67,7 +67,8 @@ def parse_cores(value: str, where: str) -> list[int] | None:
 @dataclass
 class ModelConfig:
     name_or_path: str = "qwen2-1m"
-    """A preset name (see `periodic_async.model.PRESETS`) or a local Hugging Face model directory."""
+    """A preset name (see `periodic_async.model.PRESETS`), a local Hugging Face model directory, or a hub id
+    ('org/name': its snapshot in the local Hugging Face cache, downloaded first when the hub is reachable)."""
     tokenizer: str = "artifacts/tokenizer"
     """Tokenizer directory. For presets it is built here (BPE on the synthetic task) if missing."""
     device: str = "auto"
@@ -216,7 +217,8 @@ class EngineConfig:
     """torch CPU threads per worker (CPU only)."""
     cpu_affinity: str = "auto"
     """CPU cores of the engine workers on this machine: 'auto', 'off', or cores ("0", "0-3",
-    "0,2"), worker i taking slice i (threads_per_worker cores each). 'auto': the first cores of
+    "0,2"), worker i taking slice i (threads_per_worker cores each; a list without a slice for
+    every worker the run may start is refused). 'auto': the first cores of
     this process's, one slice per worker, for Ray workers started here on CPU when there are
     enough (parallel/affinity.py); else left to the OS."""
     max_num_seqs: int = 32
@@ -397,6 +399,36 @@ class AlgorithmConfig:
     """Shared-prompt attention: 'auto', 'dense', 'split' or 'flex'."""
     skip_old_forward: bool = True
     """With one optimizer step per iteration old == policy: reuse the policy log-probs, detached."""
+    kl_bias_correction: bool = False
+    """Multiply each token's k3 KL by its importance ratio exp(logp - old) (unclipped, with its
+    gradient), so that the KL term's gradient is that of the reverse KL (TRL's
+    use_bias_correction_kl, its default there). It changes the gradient whenever beta > 0, even
+    on-policy where the ratio's value is 1. Off: the paper's GRPO objective, plain k3."""
+    behaviour_is: str = "off"
+    """Importance correction between the engines (behaviour log-probs) and the trainer (old
+    log-probs) on the sampled tokens, TRL's vllm_importance_sampling_mode: rho = exp(old -
+    behaviour) per token ('token_truncate', 'token_mask') or per sequence, exp of the sum over its
+    tokens ('sequence_truncate', 'sequence_mask'); truncate clamps rho into [behaviour_is_min,
+    behaviour_is_max], mask sets it to 0 outside; each token's clipped surrogate (not the KL) is
+    multiplied by rho. Per token or per sequence, and a sequence is never cut between
+    micro-batches, so it is exact under streaming. 'off' (default): the paper's on-policy
+    objective; behaviour and old are the same weights (each push is checked, engine.verify_push)
+    and differ by engine/trainer numerics only (rho within ~1e-6 of 1 with the built-in engine,
+    even in float64: it decodes with a KV cache, the trainer scores packed; behaviour_logp_gap
+    reports the gap), so the correction would change the update by that much; turn it on for bf16
+    vLLM engines, whose gap is larger (TRL's reason to apply it). In async-offpolicy old is the
+    behaviour, so rho = 1. The metrics report rho (is_ratio_mean/min/max, is_ratio_cut: the
+    fraction of tokens, or sequences, truncated or masked)."""
+    behaviour_is_min: float | None = None
+    """Lower bound C_min of behaviour_is (TRL's vllm_importance_sampling_clip_min); None: none."""
+    behaviour_is_max: float | None = 3.0
+    """Upper bound C_max of behaviour_is (TRL's vllm_importance_sampling_clip_max); None: none."""
+    token_mean_scope: str = "step"
+    """token-mean with optimizer_steps_per_iteration = k > 1: 'step' divides each optimizer step's
+    gradient by that step's own tokens; 'iteration' by the iteration's tokens / k (TRL's 'dapo',
+    whose normaliser spans the generation batch), so every token weighs the same whichever step it
+    lands in; the first step then waits for the iteration's last group (its micro-batches are
+    computed as they come; the later steps' groups wait for it). The same at k = 1."""
 
     def __post_init__(self) -> None:
         a = "algorithm"
@@ -425,6 +457,16 @@ class AlgorithmConfig:
         _check(self.micro_batch_groups >= 1, a, "micro_batch_groups", self.micro_batch_groups, "must be >= 1")
         _check(self.attention_backend in ("auto", "dense", "split", "flex"), a, "attention_backend",
                self.attention_backend, "expected auto, dense, split or flex")
+        modes = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+        _check(self.behaviour_is in modes, a, "behaviour_is", self.behaviour_is, f"expected one of {', '.join(modes)}")
+        lo, hi = self.behaviour_is_min, self.behaviour_is_max
+        _check(lo is None or lo >= 0, a, "behaviour_is_min", lo, "must be >= 0 (or null)")
+        _check(hi is None or lo is None or lo < hi, a, "behaviour_is_max", hi,
+               f"must be above algorithm.behaviour_is_min={lo}")
+        _check(not self.behaviour_is.endswith("_truncate") or lo is not None or hi is not None, a, "behaviour_is",
+               self.behaviour_is, "a truncate mode needs algorithm.behaviour_is_min or behaviour_is_max")
+        _check(self.token_mean_scope in ("step", "iteration"), a, "token_mean_scope", self.token_mean_scope,
+               "expected step or iteration")
 
 
 @dataclass
@@ -451,7 +493,7 @@ class TrainerConfig:
     save_every: int = 0
     """Save a checkpoint every N iterations (0: only at the end, and after a failure or signal)."""
     keep_last: int = 2
-    """Complete checkpoints kept (`checkpoint-<iteration>` directories, newest last; see checkpoint.py)."""
+    """Complete checkpoints kept (`checkpoint-<iteration>` directories, newest last; see checkpoint.py); 0: all."""
     eval_every: int = 0
     """Evaluate on the held-out set every N iterations (0: never during training)."""
     eval_at_end: bool = True
@@ -473,7 +515,7 @@ class TrainerConfig:
                                                              and self.threads_after_generation >= 0),
                "trainer", "threads_after_generation", self.threads_after_generation, "expected 'auto' or an int >= 0")
         _check(self.save_every >= 0, "trainer", "save_every", self.save_every, "must be >= 0")
-        _check(self.keep_last >= 1, "trainer", "keep_last", self.keep_last, "must be >= 1")
+        _check(self.keep_last >= 0, "trainer", "keep_last", self.keep_last, "must be >= 0 (0: keep all)")
         _check(self.parallel in ("ddp", "fsdp"), "trainer", "parallel", self.parallel, "expected ddp or fsdp")
         _check(self.eval_every >= 0, "trainer", "eval_every", self.eval_every, "must be >= 0")
 

@@ -11,7 +11,10 @@ on-policy modes, t-1 in the off-policy baseline); a group of any other version r
 `StaleGroupError`, never silently trains. Exactly B groups per iteration.
 With `optimizer_steps_per_iteration = k > 1` the iteration is cut into k mini-batches of
 B/k groups *in arrival order*, each followed by a step: a documented departure that breaks
-the sync/async equivalence (the mini-batches then depend on completion order).
+the sync/async equivalence (the mini-batches then depend on completion order). With token-mean
+over the iteration (`algorithm.token_mean_scope=iteration`, TRL's dapo) every step is divided by
+the iteration's tokens / k: the first step's groups are trained as they arrive, but the step
+waits for the iteration's last group, and the later steps' groups wait for it.
 
 Trainer ranks (`distributed.Ranks`, under torchrun): each rank trains the groups it claims, and
 once its stream ends the ranks reduce gradient sums and counts together and take the one
@@ -20,7 +23,6 @@ optimizer step of the iteration (see distributed.py); a single process is `Ranks
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Iterable
@@ -31,7 +33,7 @@ from periodic_async import grpo, interrupt
 from periodic_async.batching import MicroBatcher
 from periodic_async.batching import split_groups
 from periodic_async.config import RunConfig
-from periodic_async.parallel.affinity import Pinned
+from periodic_async.parallel.affinity import Pinned, available_cores
 from periodic_async.parallel.distributed import Ranks
 from periodic_async.group import Group
 from periodic_async.model import resolve_device, resolve_dtype
@@ -44,8 +46,10 @@ class StaleGroupError(RuntimeError):
 
 
 class _Threads:
-    """The trainer's torch threads: `base`, raised to `after_generation` once `idle` is set (on
-    the trainer's cores and the engines' when the process is pinned: `pinned`)."""
+    """The trainer's torch threads: `base`, raised to `after_generation` once `idle` is set and
+    back to `base` at `reset()` (the barrier). When the process is pinned (`pinned`), the
+    trainer's threads run on its cores and the engines' while raised (`Pinned.widen`), on its
+    own again after `reset()` (`Pinned.narrow`)."""
 
     def __init__(self, base: int, after_generation: int, idle: threading.Event | None,
                  pinned: Pinned | None = None) -> None:
@@ -66,16 +70,19 @@ class _Threads:
                 self.pinned.narrow()
 
 
-def threads_after_generation(cfg: RunConfig, distributed: bool = False) -> int:
+def threads_after_generation(cfg: RunConfig, distributed: bool = False, held: list[int] | None = None) -> int:
     """`trainer.threads_after_generation` resolved (see TrainerConfig): the trainer's torch
-    threads from the end of an iteration's generation to its barrier."""
+    threads from the end of an iteration's generation to its barrier. 'auto' is capped at the
+    cores the run holds: `held` (the pinned trainer's and producer's, `Pinned.held`), else the
+    cores this thread may use (never the trainer's alone once pinned: that would cap it at
+    `trainer.threads`)."""
     t, e = cfg.trainer, cfg.engine
     if t.threads_after_generation != "auto":
         return t.threads_after_generation or t.threads
     frees_cores = e.backend != "local" and cfg.pipeline.mode != "sync-colocated"
     if distributed or not frees_cores or resolve_device(cfg.model.device).type != "cpu":
         return t.threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(held) if held else len(available_cores())
     return max(t.threads, min(cores, t.threads + e.num_workers * e.threads_per_worker))
 
 
@@ -124,7 +131,8 @@ class Consumer:
         for the rest of the iteration: on one machine the engines' cores are free until the
         barrier. (On GPUs the engines' devices cannot join a running trainer this way.)"""
         a = self.cfg.algorithm
-        threads = _Threads(self.cfg.trainer.threads, threads_after_generation(self.cfg, self.ranks.distributed),
+        held = self.pinned.held if self.pinned is not None else None  # the cores planned, not the pinned thread's
+        threads = _Threads(self.cfg.trainer.threads, threads_after_generation(self.cfg, self.ranks.distributed, held),
                            engines_idle, self.pinned)
         per_step = a.prompts_per_iteration // a.optimizer_steps_per_iteration
         batcher = MicroBatcher.from_config(a)
@@ -133,6 +141,12 @@ class Consumer:
         self._micro_losses = []
         first_group_at = None
         local_steps = not self.ranks.distributed  # ranks: one step, once every rank's stream has ended
+        # token-mean over the iteration with k > 1 steps (TRL's dapo): each step is divided by the
+        # iteration's tokens / k, known once its last group is in. The first step's groups are trained
+        # as they come; the later steps' wait in `waiting` (they need the policy after the first step).
+        defer = local_steps and acc.scope == "iteration"
+        waiting: list[Group] = []
+        iteration_tokens = 0
         for group in groups:
             if group.version != version:
                 raise StaleGroupError(f"group of prompt {group.prompt_index} (iteration {group.iteration}) was "
@@ -142,17 +156,26 @@ class Consumer:
             n_groups += 1
             if n_groups > a.prompts_per_iteration:
                 raise RuntimeError(f"iteration {iteration}: more than {a.prompts_per_iteration} groups")
+            iteration_tokens += group.num_response_tokens
             t0, c0 = time.time(), time.thread_time()
             threads.update()
-            for mb in batcher.add(group):
-                self._micro_step(mb, acc, iteration)
+            if defer and n_groups > per_step:
+                waiting.append(group)
+            else:
+                for mb in batcher.add(group):
+                    self._micro_step(mb, acc, iteration)
             if local_steps and n_groups % per_step == 0:
                 threads.update()
                 for mb in batcher.flush():
                     self._micro_step(mb, acc, iteration)
-                step_metrics.append(self._optimizer_step(acc, iteration, steps, n_groups == a.prompts_per_iteration))
-                steps += 1
-                acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
+                if not defer:
+                    step_metrics.append(self._optimizer_step(acc, iteration, steps,
+                                                             n_groups == a.prompts_per_iteration))
+                    steps += 1
+                    acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
+                elif n_groups == a.prompts_per_iteration:
+                    step_metrics += self._steps_over_the_iteration(acc, waiting, per_step, iteration_tokens, iteration)
+                    steps = len(step_metrics)
             busy_s += time.time() - t0
             cpu_s += time.thread_time() - c0
         if not local_steps:
@@ -171,10 +194,32 @@ class Consumer:
         if n_groups != a.prompts_per_iteration:
             raise RuntimeError(f"iteration {iteration}: got {n_groups} groups, expected {a.prompts_per_iteration}")
         self.tri.refresh_old()
-        m = {k: sum(s[k] for s in step_metrics) / len(step_metrics) for k in step_metrics[0]}
+        m = {k: (min if k.endswith("_min") else max if k.endswith("_max") else _mean)(s[k] for s in step_metrics)
+             for k in step_metrics[0]}
         m.update(optimizer_steps=steps, train_busy_s=busy_s, thread_cpu_s=cpu_s, first_group_at=first_group_at,
                  threads_raised_at=threads.raised_at)
         return m
+
+    def _steps_over_the_iteration(self, acc: grpo.LossAccumulator, waiting: list[Group], per_step: int,
+                                  tokens: int, iteration: int) -> list[dict[str, float]]:
+        """token_mean_scope='iteration', once the iteration's last group is in: the first step (its
+        micro-batches are done: `acc`), then each later step on its `waiting` groups (arrival
+        order), every one divided by the iteration's `tokens` / k. Returns the steps' metrics."""
+        a = self.cfg.algorithm
+        blocks = [[]] + [waiting[i:i + per_step] for i in range(0, len(waiting), per_step)]
+        batcher = MicroBatcher.from_config(a)
+        metrics = []
+        for step, block in enumerate(blocks):
+            if step:
+                acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
+                for g in block:
+                    for mb in batcher.add(g):
+                        self._micro_step(mb, acc, iteration)
+                for mb in batcher.flush():
+                    self._micro_step(mb, acc, iteration)
+            acc.iteration_tokens = tokens
+            metrics.append(self._optimizer_step(acc, iteration, step, step == len(blocks) - 1))
+        return metrics
 
     def _optimizer_step(self, acc: grpo.LossAccumulator, iteration: int, step: int, last: bool) -> dict[str, float]:
         """Normalise once, clip, step (signals deferred); the last step of the iteration sets the version."""
@@ -248,6 +293,11 @@ class Consumer:
             group["lr"] = base * factor(step)
         if self.tri.scaler is not None and "grad_scaler" in state:
             self.tri.scaler.load_state_dict(state["grad_scaler"])
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
 
 
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}

@@ -10,6 +10,11 @@ Departures from textbook GRPO, on purpose:
 - The loss is a *sum* per micro-batch; the normaliser is applied once, to the gradients,
   at the end of the iteration (the paper's equivalence argument). The consumer does not know how many
   tokens the iteration has until its last group arrives.
+- Two corrections of TRL 1.16, off by default (the paper's objective is the plain one): the
+  KL times the ratio (`kl_bias_correction`) and the engines' importance ratio
+  (`behaviour_is_ratio`, `AlgorithmConfig.behaviour_is`), which multiplies each token's
+  surrogate. Both act per token or per sequence (a sequence is never cut between micro-batches),
+  so the invariant below holds with them.
 
 Invariant (tested in tests/test_grpo.py::test_microbatch_split_matches_full_batch): the
 gradient of an iteration does not depend on how its groups are split into micro-batches
@@ -22,6 +27,9 @@ own sample (1, or 1/R_i for seq-mean), and the gradients are divided once by
     constant:   B * G * max_tokens              (Dr. GRPO)
 before clipping and the optimizer step. Dividing by each micro-batch's own token count
 (what naive gradient accumulation does) breaks it: see `test_naive_token_mean_differs`.
+With k > 1 optimizer steps per iteration each step has its own accumulator; token-mean then
+divides by the step's own tokens, or with `token_mean_scope='iteration'` (TRL's dapo) by the
+iteration's tokens / k (`LossAccumulator.iteration_tokens`).
 Caveat for exactness tests: HF's Qwen2RMSNorm computes in float32 even in a float64 model,
 so its backward rounds activation gradients to fp32 and split gradients then agree only to
 ~1e-7 relative; the test patches the norms to compute in the input dtype (then ~3e-16).
@@ -41,6 +49,7 @@ Use, one iteration (one optimizer step; see `trimodel.TriModel.micro_step` for t
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -96,15 +105,19 @@ def kl_k3(logp_N: torch.Tensor, ref_logp_N: torch.Tensor) -> torch.Tensor:
 
 def per_token_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, advantages_N: torch.Tensor,
                    eps_low: float, eps_high: float, ref_logp_N: torch.Tensor | None = None,
-                   beta: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   beta: float = 0.0, kl_bias_correction: bool = False,
+                   is_ratio_N: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Clipped surrogate plus beta * k3 KL, per token (to be minimised).
 
     logp_N: policy log-probs (with grad); old_logp_N: old policy log-probs (no grad);
     advantages_N: the sample's advantage broadcast over its tokens; ref_logp_N: reference
-    log-probs, needed when beta > 0.
-    loss_N = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * k3,
-    ratio = exp(logp - old).
-    Returns (loss_N, kl_N detached (zeros when no ref), clipped_N detached bool: the token's
+    log-probs, needed when beta > 0; is_ratio_N: the behaviour importance ratio of each token
+    (`behaviour_is_ratio`, no grad) or None.
+    loss_N = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) * rho + beta * k3 [* ratio],
+    ratio = exp(logp - old), rho = is_ratio_N (1 when None); the KL is multiplied by the
+    (unclipped, differentiated) ratio when kl_bias_correction, which changes its gradient even
+    where ratio = 1 (d ratio / d logp = ratio).
+    Returns (loss_N, kl_N = k3 detached (zeros when no ref), clipped_N detached bool: the token's
     surrogate gradient is cut by the clip).
     """
     ratio_N = torch.exp(logp_N - old_logp_N)
@@ -113,17 +126,60 @@ def per_token_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, advantages_N:
     loss_N = -torch.minimum(surr_N, surr_clip_N)
     with torch.no_grad():
         clipped_N = surr_clip_N < surr_N
+    if is_ratio_N is not None:
+        loss_N = loss_N * is_ratio_N
     if beta > 0:
         if ref_logp_N is None:
             raise ValueError("per_token_loss: beta > 0 needs ref_logp_N")
         kl_N = kl_k3(logp_N, ref_logp_N)
-        loss_N = loss_N + beta * kl_N
+        loss_N = loss_N + beta * (kl_N * ratio_N if kl_bias_correction else kl_N)
         kl_N = kl_N.detach()
     elif ref_logp_N is not None:
         kl_N = kl_k3(logp_N.detach(), ref_logp_N)
     else:
         kl_N = torch.zeros_like(logp_N.detach())
     return loss_N, kl_N, clipped_N
+
+
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def behaviour_is_ratio(old_logp_N: torch.Tensor, behaviour_logp_N: torch.Tensor, sample_N: torch.Tensor,
+                       num_samples: int, mode: str, clip_min: float | None = None,
+                       clip_max: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The behaviour importance ratio of each token (TRL 1.16's vLLM correction; no grad). (N,)
+
+    old_logp_N: the trainer's old log-probs; behaviour_logp_N: the engines' (a NaN, a token the
+    engine did not score, counts as old - behaviour = 0); sample_N: sample index 0..S-1 of each
+    token, S = num_samples (all of a sample's tokens are in the micro-batch).
+    rho = exp(old - behaviour) per token ('token_*'), or exp(sum over the sample's tokens) for all
+    of its tokens ('sequence_*'); '*_truncate': clamp(rho, clip_min, clip_max); '*_mask': rho = 0
+    outside [clip_min, clip_max] (a None bound is no bound).
+    Returns (rho_N, sums): detached 0-d tensors over the units U (tokens or sequences) for
+    `LossAccumulator.add`: 'is_ratio' sum of rho_U, 'is_count' U, 'is_min' / 'is_max' the
+    extremes of rho_U, 'is_cut' units truncated or masked.
+    """
+    if mode not in IS_MODES:
+        raise ValueError(f"behaviour_is_ratio: mode {mode!r}: expected one of {IS_MODES}")
+    with torch.no_grad():
+        diff_N = torch.nan_to_num(old_logp_N.detach() - behaviour_logp_N.to(old_logp_N.dtype), nan=0.0)
+        if mode.startswith("sequence"):
+            diff_U = torch.zeros(num_samples, dtype=diff_N.dtype, device=diff_N.device).index_add_(0, sample_N, diff_N)
+        else:
+            diff_U = diff_N
+        raw_U = torch.exp(diff_U)
+        lo = -math.inf if clip_min is None else clip_min
+        hi = math.inf if clip_max is None else clip_max
+        outside_U = (raw_U < lo) | (raw_U > hi)
+        if mode.endswith("truncate"):
+            rho_U = torch.clamp(raw_U, min=clip_min, max=clip_max)
+        else:
+            rho_U = raw_U.masked_fill(outside_U, 0.0)
+        rho_N = rho_U[sample_N] if mode.startswith("sequence") else rho_U
+        count = torch.tensor(float(rho_U.numel()), dtype=rho_U.dtype, device=rho_U.device)
+        sums = {"is_ratio": rho_U.sum(), "is_count": count, "is_min": rho_U.min(), "is_max": rho_U.max(),
+                "is_cut": outside_U.sum().to(rho_U.dtype)}
+    return rho_N, sums
 
 
 def token_weights(sample_N: torch.Tensor, lengths_S: torch.Tensor, loss_norm: str,
@@ -161,10 +217,12 @@ def normaliser(loss_norm: str, num_tokens: int, num_sequences: int, constant: fl
 
 def micro_batch_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, ref_logp_N: torch.Tensor | None,
                      advantages_N: torch.Tensor, weights_N: torch.Tensor, cfg,
-                     entropy_N: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     entropy_N: torch.Tensor | None = None,
+                     is_ratio_N: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The un-normalised loss sum of one micro-batch, and detached metric sums.
 
-    cfg: an `AlgorithmConfig` (eps_low, eps_high, beta). weights_N from `token_weights`.
+    cfg: an `AlgorithmConfig` (eps_low, eps_high, beta, kl_bias_correction). weights_N from
+    `token_weights`; is_ratio_N from `behaviour_is_ratio` (None: no behaviour correction).
     Returns (loss_sum: scalar with grad = sum_n w_n * loss_n, call `.backward()` on it;
     sums: {'loss': sum w*loss, 'kl': sum kl, 'clip': clipped tokens, 'ratio': sum of the
     importance ratios, 'ratio_dev': sum |ratio - 1| (0 on-policy: the staleness shows here),
@@ -174,7 +232,8 @@ def micro_batch_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, ref_logp_N:
     advantages_N = advantages_N.to(logp_N.dtype)
     weights_N = weights_N.to(logp_N.dtype)
     loss_N, kl_N, clipped_N = per_token_loss(logp_N, old_logp_N, advantages_N, cfg.eps_low, cfg.eps_high,
-                                             ref_logp_N, cfg.beta)
+                                             ref_logp_N, cfg.beta, cfg.kl_bias_correction,
+                                             None if is_ratio_N is None else is_ratio_N.to(logp_N.dtype))
     loss_sum = (weights_N * loss_N).sum()
     with torch.no_grad():
         ratio_N = torch.exp(logp_N.detach() - old_logp_N)
@@ -200,15 +259,24 @@ class LossAccumulator:
     `add` after each micro-batch's backward; `finalize_gradients` once at the end; then
     `metrics()`: loss normalised like the gradient (the objective actually optimised);
     kl, clip_frac and entropy as token means over the iteration, whatever the loss_norm.
-    With optimizer_steps_per_iteration > 1 use one accumulator per optimizer step.
+    With optimizer_steps_per_iteration = k > 1 use one accumulator per optimizer step; with
+    token-mean over the 'iteration' (steps = k, TRL's dapo) the caller sets `iteration_tokens`
+    (the tokens of all k steps) before `finalize_gradients`: each step is divided by
+    iteration_tokens / k instead of its own count.
     """
 
-    def __init__(self, loss_norm: str, constant: float | None = None):
+    def __init__(self, loss_norm: str, constant: float | None = None, steps: int = 1, scope: str = "step"):
         if loss_norm not in LOSS_NORMS:
             raise ValueError(f"loss_norm {loss_norm!r}: expected one of {LOSS_NORMS}")
         if loss_norm == "constant" and not constant:
             raise ValueError("loss_norm 'constant' needs constant = B * G * max_tokens")
+        if scope not in ("step", "iteration"):
+            raise ValueError(f"scope {scope!r}: expected 'step' or 'iteration'")
         self.loss_norm, self.constant = loss_norm, constant
+        self.steps = steps
+        self.scope = scope if loss_norm == "token-mean" and steps > 1 else "step"
+        """'iteration': the token-mean normaliser is iteration_tokens / steps (see the class docstring)."""
+        self.iteration_tokens: int | None = None
         self.num_tokens = 0
         self.num_sequences = 0
         self.num_micro_batches = 0
@@ -224,18 +292,31 @@ class LossAccumulator:
                 raise ValueError("loss_norm 'constant' needs max_tokens (engine.max_tokens)")
             steps = cfg.optimizer_steps_per_iteration
             constant = cfg.prompts_per_iteration * cfg.group_size * max_tokens / steps
-        return cls(cfg.loss_norm, constant)
+        return cls(cfg.loss_norm, constant, cfg.optimizer_steps_per_iteration, cfg.token_mean_scope)
 
     def add(self, sums: dict[str, torch.Tensor], num_tokens: int, num_sequences: int) -> None:
-        """Record one micro-batch: its metric sums, N label tokens and S whole sequences."""
+        """Record one micro-batch: its metric sums (keys ending in _min / _max: extremes), N label
+        tokens and S whole sequences."""
         for k, v in sums.items():
-            self.sums[k] = self.sums[k] + v if k in self.sums else v
+            if k not in self.sums:
+                self.sums[k] = v
+            elif k.endswith("_min"):
+                self.sums[k] = torch.minimum(self.sums[k], v)
+            elif k.endswith("_max"):
+                self.sums[k] = torch.maximum(self.sums[k], v)
+            else:
+                self.sums[k] = self.sums[k] + v
         self.num_tokens += int(num_tokens)
         self.num_sequences += int(num_sequences)
         self.num_micro_batches += 1
 
     @property
     def normaliser(self) -> float:
+        if self.scope == "iteration":
+            if self.iteration_tokens is None:
+                raise ValueError("token-mean over the iteration: set iteration_tokens (the tokens of all "
+                                 f"{self.steps} optimizer steps) before normalising")
+            return normaliser(self.loss_norm, self.iteration_tokens, self.num_sequences) / self.steps
         return normaliser(self.loss_norm, self.num_tokens, self.num_sequences, self.constant)
 
     def finalize_gradients(self, params: Iterable[torch.nn.Parameter]) -> float:
@@ -252,6 +333,10 @@ class LossAccumulator:
                         ("behaviour_gap", "behaviour_logp_gap"), ("ratio", "ratio_mean"),
                         ("ratio_dev", "ratio_abs_dev")):
             out[name] = float(self.sums.get(k, 0.0)) / n
+        count = float(self.sums.get("is_count", 0.0))
+        if count > 0:  # the behaviour importance ratio over its units (tokens or sequences)
+            out.update(is_ratio_mean=float(self.sums["is_ratio"]) / count, is_ratio_min=float(self.sums["is_min"]),
+                       is_ratio_max=float(self.sums["is_max"]), is_ratio_cut=float(self.sums["is_cut"]) / count)
         out.update(tokens=float(self.num_tokens), sequences=float(self.num_sequences),
                    micro_batches=float(self.num_micro_batches))
         return out

@@ -4,7 +4,8 @@
     for each iteration t:
         the trainer consumes the iteration's groups (micro-batches, gradient accumulation)
         and takes one optimizer step
-        the barrier: version t+1 is pushed to every engine, and the push is checked (the
+        the barrier: once nothing is in flight on the engines (the iteration's requests, the
+            held-out ones), version t+1 is pushed to every engine, and the push is checked (the
             engines' log-probs of a probe sequence against the trainer's: engine/verify.py)
         the next iteration starts generating; the books are kept meanwhile
 
@@ -40,6 +41,7 @@ tokens/s per device, phase times and idle times. Definitions:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -56,12 +58,12 @@ from periodic_async.data import few_shot_examples, fit_to_context, load_examples
 from periodic_async.engine import Engine, make_engine
 from periodic_async.engine.verify import PushCheck
 from periodic_async.group import Group
-from periodic_async.model import load_policy, resolve_device
+from periodic_async.model import load_policy, resolve_device, resolve_model_path
 from periodic_async.modes import make_mode
 from periodic_async.parallel import affinity
 from periodic_async.parallel.distributed import Ranks, init_ranks
 from periodic_async.producer import Producer
-from periodic_async.reward import make_reward
+from periodic_async.reward import make_reward, reward_stats, set_worker_cpus
 from periodic_async.trace import MetricsLogger, Tracer
 
 
@@ -137,7 +139,9 @@ def _write_rollouts(path: Path, groups: list[Group]) -> None:
 
 
 def build_engine(cfg: RunConfig) -> Engine:
-    return make_engine(cfg.engine, cfg.model)
+    """The engines of `cfg` (a hub id in model.name_or_path: its snapshot directory, which they load)."""
+    model = dataclasses.replace(cfg.model, name_or_path=resolve_model_path(cfg.model.name_or_path))
+    return make_engine(cfg.engine, model)
 
 
 @dataclass
@@ -166,21 +170,39 @@ def run(cfg: RunConfig, engine: Engine | None = None, task: Task | None = None) 
     Under torchrun every trainer rank runs this same loop (parallel/distributed.py): rank 0 holds
     the engines, the producer and the books (`_Generation`); the other ranks train the groups
     they claim and join rank 0's collectives at the same points of the loop (`_Follower`), and
-    return {"rank", "first_iteration", "groups_trained"}."""
+    return {"rank", "first_iteration", "groups_trained", "train_loss"}.
+
+    Cores (parallel/affinity.py): the reward, accuracy and math-verify worker processes the run
+    starts (and restarts) are on the producer's cores, never the pinned trainer's."""
     ranks = init_ranks(cfg)  # trainer ranks under torchrun; one process otherwise
     pinned = affinity.Pinned(affinity.plan(cfg, ranks.distributed))  # the trainer's and producer's cores (checked here)
+    set_worker_cpus(pinned.plan.producer)  # before any reward worker starts (make_reward starts one)
+    try:
+        return _run(cfg, engine, task, ranks, pinned)
+    finally:
+        set_worker_cpus(None)
+
+
+def _run(cfg: RunConfig, engine: Engine | None, task: Task | None, ranks: Ranks, pinned: affinity.Pinned) -> dict:
     out = Path(cfg.trainer.output_dir)
     if ranks.is_main:
-        save_run_info(cfg, out)
+        save_run_info(cfg, out)  # as given (a hub id stays an id); what it resolves to goes to the run's info
+    model_path = resolve_model_path(cfg.model.name_or_path)  # a hub id: its snapshot in the local cache
+    if model_path != cfg.model.name_or_path:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=model_path))
+        if ranks.is_main:
+            update_run_info(out, model_path=model_path)
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.model.seed)
     policy, tokenizer = load_policy(cfg.model)
+    reference = checkpoint.reference_hash(policy) if ranks.is_main else None  # the initial weights = the ref
     data = _load_data(cfg, policy, tokenizer, task) if ranks.is_main else None  # rank 0 alone samples
     tracer = Tracer(enabled=cfg.logging.trace, path=out / "trace.jsonl") if ranks.is_main else Tracer(enabled=False)
     consumer = Consumer(policy, cfg, tracer, ranks=ranks, pinned=pinned)  # tri-model's ref = the initial weights
-    ckpt = checkpoint.resume(cfg, consumer)  # trainer ranks: every rank loads rank 0's checkpoint
+    ckpt = checkpoint.resume(cfg, consumer, reference)  # trainer ranks: every rank loads rank 0's checkpoint
     if ranks.is_main and ckpt is not None:
         print(f"[train] resumed from {ckpt} at iteration {consumer.version}")
+        truncate_logs(out, consumer.version)  # the logs resume where the weights do
     elif ranks.is_main:  # a fresh run does not append to an earlier run's logs, nor resume its checkpoints
         for name in ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl", "trace.jsonl", "trace.chrome.json",
                      "summary.json"):
@@ -188,7 +210,7 @@ def run(cfg: RunConfig, engine: Engine | None = None, task: Task | None = None) 
         checkpoint.remove_all(out)
     start = ranks.start(consumer, consumer.version)  # every rank at rank 0's iteration
     # trainer ranks: every rank saves with us (rank 0 writes)
-    checkpoints = checkpoint.Checkpoints(cfg, policy, tokenizer if ranks.is_main else None, consumer)
+    checkpoints = checkpoint.Checkpoints(cfg, policy, tokenizer if ranks.is_main else None, consumer, reference)
     completed = start  # iterations whose optimizer step is done
     with contextlib.ExitStack() as started:  # closed in reverse order, whatever happens
         started.callback(ranks.close)
@@ -218,6 +240,40 @@ def run(cfg: RunConfig, engine: Engine | None = None, task: Task | None = None) 
                 checkpoints.after_failure()  # the weights of the last completed iteration, under its label
             raise
     return side.summary(completed)
+
+
+def truncate_logs(out: Path, completed: int) -> None:
+    """A resume from checkpoint-<completed>: the logs keep what the uninterrupted run would have
+    written by then, nothing later, so that the resumed run appends each iteration once (a hard
+    kill between checkpoints leaves rows of iterations the resumed run trains again):
+
+        rollouts.jsonl   rows of iterations < completed
+        metrics.jsonl    rows of steps <= completed (step = iterations completed), less the
+                         evaluation of a version >= completed (`eval/version`: an evaluation at
+                         the end of a stopped run; the resumed run evaluates that version again
+                         when trainer.eval_every says so, as the uninterrupted run did)
+        eval.jsonl       rows of versions < completed
+
+    A line left unfinished by a kill is dropped. trace.jsonl is a timeline of what ran, work
+    lost to the kill included: kept whole. Each file is replaced atomically."""
+    keep = {"rollouts.jsonl": lambda r: r["iteration"] < completed,
+            "metrics.jsonl": lambda r: r["step"] <= completed and r.get("eval/version", -1) < completed,
+            "eval.jsonl": lambda r: r["step"] < completed}
+    for name, wanted in keep.items():
+        path = Path(out) / name
+        if not path.is_file():
+            continue
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # the unfinished last line of a killed run
+                continue
+            if wanted(row):
+                kept.append(line + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
 
 
 _DATA_CACHE: dict[tuple, tuple[list, list, list]] = {}  # the last few data sets of this process
@@ -287,16 +343,36 @@ class _Generation:
         that sampled them."""
         self.t_start = time.time()
         version = self.mode.sampled_by(iteration)
-        self.handed = self.ranks.hand_out(_Received(self.mode.groups(self.producer, iteration)), iteration, version)
+        received = _Received(self.mode.groups(self.producer, iteration), iteration,
+                             self.cfg.algorithm.prompts_per_iteration)
+        self.received = received  # what the trainer got, whatever happens to the hand-out
+        self.handed = self.ranks.hand_out(received, iteration, version)
         return self.handed, version
 
     def barrier(self, consumer: Consumer, iteration: int, train: dict) -> None:
+        """Push version t+1 once nothing is in flight on the engines. The trainer may be done
+        before the engines are: under trainer ranks rank 0 leaves the iteration once every group
+        is claimed, while the hand-out may still be streaming and the held-out requests
+        (`trainer.eval_every`) still generating. So the barrier first waits for the whole stream
+        (`received`) and for the producer's thread to end (its generation and evaluation
+        returned), in every mode: a single process's stream ends only after both anyway."""
         completed = consumer.version
-        self.mode.before_barrier(self.producer, iteration)
-        sync_s = _barrier(self.engine, consumer, completed, self.tracer, self.push_check)
+        t0 = time.time()
+        try:
+            self.mode.before_barrier(self.producer, iteration)
+            _ = self.handed.received  # the hand-out's end (ranks: joins its thread, raises its error)
+            self.producer.wait_idle()
+            sync_s = _barrier(self.engine, consumer, completed, self.tracer, self.push_check)
+        except BaseException:
+            # The iteration was trained and stepped, and the checkpoint saved after the failure
+            # holds its weights: its books are kept too (marked), so a resume finds it logged.
+            with contextlib.suppress(Exception):
+                self.books.iteration(self.received.received, self.t_start, time.time(), train,
+                                     time.time() - t0, completed, barrier_failed=True)
+            raise
         t_end = time.time()
         self.mode.after_barrier(self.producer, completed)  # the next iteration generates while we keep the books
-        self.books.iteration(self.handed.received, self.t_start, t_end, train, sync_s, completed)
+        self.books.iteration(self.received.received, self.t_start, t_end, train, sync_s, completed)
 
     def end(self, completed: int) -> None:
         if self.cfg.trainer.eval_at_end and self.evals and completed not in self.producer.eval_results:
@@ -319,7 +395,7 @@ class _Follower:
     generation_done = None
 
     def __init__(self, ranks: Ranks) -> None:
-        self.ranks, self.taken, self.first = ranks, [], None
+        self.ranks, self.taken, self.first, self.losses = ranks, [], None, []
 
     def begin(self, consumer: Consumer, first: int, last: int) -> None:
         self.first = first
@@ -332,12 +408,14 @@ class _Follower:
     def barrier(self, consumer: Consumer, iteration: int, train: dict) -> None:
         consumer.engine_state_dict()
         self.taken.append(self.claims.taken)
+        self.losses.append(train["loss"])  # all-reduced: every rank's is the iteration's loss
 
     def end(self, completed: int) -> None:
         pass
 
     def summary(self, completed: int) -> dict:
-        return {"rank": self.ranks.rank, "first_iteration": self.first, "groups_trained": self.taken}
+        return {"rank": self.ranks.rank, "first_iteration": self.first, "groups_trained": self.taken,
+                "train_loss": statistics.fmean(self.losses) if self.losses else float("nan")}
 
 
 def _barrier(engine: Engine, consumer: Consumer, version: int, tracer: Tracer,
@@ -358,15 +436,32 @@ def _barrier(engine: Engine, consumer: Consumer, version: int, tracer: Tracer,
 
 
 class _Received:
-    """Passes an iteration's groups to the trainer and keeps them, in the order consumed."""
+    """Passes an iteration's groups to the trainer and keeps them, in the order consumed.
+    Guarantees what the consumer's count cannot: the groups are the iteration's B distinct
+    positions (each request once), each tagged with `iteration`; anything else is a
+    RuntimeError before the group reaches the trainer (or, for a missing position, before the
+    iteration can end)."""
 
-    def __init__(self, groups: Iterable[Group]) -> None:
+    def __init__(self, groups: Iterable[Group], iteration: int, batch: int) -> None:
         self.groups, self.received = groups, []
+        self.iteration, self.batch = iteration, batch
 
     def __iter__(self) -> Iterator[Group]:
+        seen: set[int] = set()
         for g in self.groups:
+            position = g.timings.get("position")
+            if g.iteration != self.iteration:
+                raise RuntimeError(f"iteration {self.iteration}: got the group at position {position} (prompt "
+                                   f"{g.prompt_index}) of iteration {g.iteration}")
+            if position in seen or position not in range(self.batch):
+                raise RuntimeError(f"iteration {self.iteration}: position {position} (prompt {g.prompt_index}) "
+                                   f"{'twice' if position in seen else f'outside 0..{self.batch - 1}'}")
+            seen.add(position)
             self.received.append(g)
             yield g
+        if len(seen) != self.batch:
+            raise RuntimeError(f"iteration {self.iteration}: the stream ended with positions "
+                               f"{sorted(set(range(self.batch)) - seen)} missing")
 
 
 class _Books:
@@ -385,11 +480,17 @@ class _Books:
             self.bar = tqdm(total=cfg.trainer.iterations, desc=cfg.pipeline.mode, unit="it")
 
     def iteration(self, groups: list[Group], t_start: float, t_end: float, train: dict, sync_s: float,
-                  completed: int) -> None:
+                  completed: int, barrier_failed: bool = False) -> None:
+        """The books of iteration completed-1. barrier_failed: its barrier failed after the step
+        (sync_s is then the time to the failure; the row says `barrier/failed`)."""
         m = _iteration_metrics(groups, t_start, t_end, train, sync_s, self.cfg, self.trainer_ranks)
+        if barrier_failed:
+            m["barrier/failed"] = 1
         m.update(self._new_evals())
         m.update(self.producer.engine.stats())  # e.g. engine/workers, engine/worker_restarts (ray)
-        if self.push_check is not None:  # this barrier's check: probe/max_gap, time/push_s, time/verify_s
+        m.update(reward_stats())  # reward/worker_restarts: reward worker processes replaced
+        if self.push_check is not None and not barrier_failed:  # this barrier's check: probe/max_gap,
+            # time/push_s, time/verify_s
             m.update(self.push_check.last)
         m["pipeline/queue_depth_max"] = self.producer.queue_depth_max  # most groups waiting for the trainer
         if self.cfg.logging.rollouts:
@@ -448,6 +549,8 @@ def _summary(cfg: RunConfig, history: list[dict]) -> dict:
         # the trainer thread's CPU seconds in its busy time: below mean_train_s when it waited
         # (another thread on its core, the GIL), equal when it computed throughout
         "mean_train_thread_cpu_s": statistics.fmean(h.get("train/thread_cpu_s", 0.0) for h in steady),
+        # the mean loss over this run's iterations (TRL's training_loss)
+        "train_loss": statistics.fmean(h.get("train/loss", float("nan")) for h in history),
         "reward_first": history[0]["reward/mean"], "reward_last": history[-1]["reward/mean"],
         "accuracy_first": history[0]["accuracy"], "accuracy_last": history[-1]["accuracy"],
     }

@@ -25,9 +25,11 @@ the dataset gives it whole, text or messages; else the template's user turn), th
 of the example's dataset record as keyword lists (`data.reward_kwargs`; `answer` always, the
 parsed ground truth).
 
-Guarantees: every prompt of the iteration is delivered exactly once (the consumer counts
-them); a request's sampling seed is a pure function of (run seed, iteration, prompt), so
-every pipeline mode samples the same tokens; an exception in the thread is re-raised in
+Guarantees: every request of the iteration is delivered exactly once (the consumer counts
+the groups; the pipeline checks they are the iteration's B distinct positions, tagged with
+the iteration); a request's sampling seed is a pure function of (run seed, iteration, position in the
+iteration), so every pipeline mode samples the same tokens and a prompt drawn twice in one
+iteration gives two groups; an exception in the thread is re-raised in
 the consumer by `stream()`, which never blocks forever (engine timeouts bound generation).
 """
 
@@ -40,7 +42,7 @@ from typing import Callable, Iterator, Sequence
 
 from periodic_async import grpo
 from periodic_async.config import RunConfig
-from periodic_async.parallel.affinity import pin_thread
+from periodic_async.parallel.affinity import pin_thread, starting_on
 from periodic_async.data import Example, encode_prompts, iteration_prompts, reward_kwargs, reward_prompt
 from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
 from periodic_async.group import Group
@@ -57,9 +59,14 @@ class _Failed:
         self.exc = exc
 
 
-def request_seed(run_seed: int, iteration: int, prompt_index: int) -> int:
-    """The sampling seed of one request: identical in every pipeline mode and on resume."""
-    return (run_seed * 1_000_003 + iteration * 100_003 + prompt_index) % (2**31 - 1)
+def request_seed(run_seed: int, iteration: int, position: int) -> int:
+    """The sampling seed of the request at `position` (0..B-1, dataset order) of `iteration`:
+    identical in every pipeline mode and on resume (the position, like the prompt there, is a
+    pure function of the iteration). Seeded by position, not by prompt: an iteration that spans
+    two epochs may draw a prompt twice, and the two requests must sample two groups, not one
+    group twice. (TRL instead drops the last partial batch of each epoch; keeping the epoch-wise
+    draw changes only the seeds.)"""
+    return (run_seed * 1_000_003 + iteration * 100_003 + position) % (2**31 - 1)
 
 
 class Producer:
@@ -110,7 +117,8 @@ class Producer:
         self.generation_done.clear()
         self._thread = threading.Thread(target=self._run, args=(iteration,), name=f"producer-{iteration}",
                                         daemon=True)
-        self._thread.start()
+        with starting_on(self.cores):  # never a moment on the trainer's cores
+            self._thread.start()
 
     def stream(self, poll_s: float = 1.0) -> Iterator[Group]:
         """Groups of the current iteration in completion order; re-raises producer errors.
@@ -120,15 +128,29 @@ class Producer:
             try:
                 item = self.queue.get(timeout=poll_s)
             except queue.Empty:
-                if self._thread is None or not self._thread.is_alive():
+                if self._thread is not None and self._thread.is_alive():
+                    continue
+                try:  # its last items may have landed between the time-out and the look at the thread
+                    item = self.queue.get_nowait()
+                except queue.Empty:
                     raise RuntimeError("producer thread ended without finishing the iteration") from None
-                continue
             self.queue_depth_max = max(self.queue_depth_max, self.queue.qsize() + 1)
             if isinstance(item, _Done):
                 return
             if isinstance(item, _Failed):
                 raise item.exc
             yield item
+
+    def wait_idle(self, timeout_s: float | None = None) -> None:
+        """Return once the producer's thread has ended: none of its requests (the iteration's,
+        the held-out ones) is on the engines any more, so new weights may be pushed. Call it
+        after the stream has ended (the thread ends right after queueing the end of the
+        iteration); a thread still alive after `timeout_s` (default engine.timeout_s) raises."""
+        if self._thread is None:
+            return
+        self._thread.join(self.cfg.engine.timeout_s if timeout_s is None else timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"producer: {self._thread.name} still generating at the barrier")
 
     def close(self) -> None:
         self._stop.set()
@@ -139,16 +161,13 @@ class Producer:
 
     def _run(self, iteration: int) -> None:
         try:
-            pin_thread(self.cores)  # receiving, scoring and the reward's worker process: off the trainer's cores
+            pin_thread(self.cores)  # receiving and scoring: off the trainer's cores (reward workers: run())
             cfg = self.cfg
-            batch = iteration_prompts(self.examples, iteration, cfg.algorithm.prompts_per_iteration, cfg.data.seed)
             version = self.engine.version
             requests, by_id = [], {}
-            for index, example in batch:
-                rid = f"it{iteration}-p{index}-{len(requests)}"
-                requests.append(Request(rid, self.prompt_ids(index), cfg.algorithm.group_size, self.params,
-                                        request_seed(cfg.data.seed, iteration, index)))
-                by_id[rid] = (len(requests) - 1, index, example)
+            for request, index, example in self.iteration_requests(iteration):
+                by_id[request.request_id] = (len(requests), index, example)
+                requests.append(request)
             every = cfg.trainer.eval_every
             evaluate = every and version % every == 0 and version not in self.eval_results and self.eval_examples
             evals = self._eval_requests(iteration) if evaluate else {}
@@ -175,6 +194,15 @@ class Producer:
             self.queue.put(_Done())
         except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
             self.queue.put(_Failed(e))
+
+    def iteration_requests(self, iteration: int) -> list[tuple[Request, int, Example]]:
+        """The iteration's B requests in dataset order (position 0..B-1), each with the index of
+        its prompt in the training set and the example: a pure function of the iteration."""
+        cfg = self.cfg
+        batch = iteration_prompts(self.examples, iteration, cfg.algorithm.prompts_per_iteration, cfg.data.seed)
+        return [(Request(f"it{iteration}-p{index}-{position}", self.prompt_ids(index), cfg.algorithm.group_size,
+                         self.params, request_seed(cfg.data.seed, iteration, position)), index, example)
+                for position, (index, example) in enumerate(batch)]
 
     def evaluate_now(self, iteration: int) -> dict:
         """Held-out greedy accuracy of the engines' current version, in the calling thread

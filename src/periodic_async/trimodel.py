@@ -87,7 +87,8 @@ class TriModel:
 
     policy: a HF causal LM (the trained module; its parameters get the gradients).
     cfg: an `AlgorithmConfig` (beta, skip_old_forward, optimizer_steps_per_iteration, loss_norm,
-         eps_low, eps_high, max_grad_norm).
+         eps_low, eps_high, max_grad_norm, kl_bias_correction, behaviour_is and its bounds: the
+         behaviour importance ratio is taken against the old log-probs, as TRL's).
     logprob_kwargs: extra keyword arguments passed to `shared_prompt.token_logprobs` for all
          three models, e.g. {"backend": "split"}; none by default (token_logprobs' own default).
     layout: applied in place to policy, old and ref alike after the copies are taken (trainer
@@ -152,8 +153,14 @@ class TriModel:
             out.old_N = inputs.behaviour_logp_N.to(out.policy_N.dtype)
         w_N = grpo.token_weights(inputs.packed.sample_N, inputs.lengths_S, self.cfg.loss_norm,
                                  dtype=out.policy_N.dtype)
+        is_N, is_sums = None, {}
+        if self.cfg.behaviour_is != "off":  # engines vs trainer (old) on the sampled tokens
+            is_N, is_sums = grpo.behaviour_is_ratio(out.old_N, inputs.behaviour_logp_N, inputs.packed.sample_N,
+                                                    inputs.num_samples, self.cfg.behaviour_is,
+                                                    self.cfg.behaviour_is_min, self.cfg.behaviour_is_max)
         loss_sum, sums = grpo.micro_batch_loss(out.policy_N, out.old_N, out.ref_N, inputs.advantages_N, w_N,
-                                               self.cfg, out.entropy_N)
+                                               self.cfg, out.entropy_N, is_ratio_N=is_N)
+        sums.update(is_sums)
         (loss_sum if self.scaler is None else self.scaler.scale(loss_sum)).backward()
         # Trainer vs engine log-probs of the sampled tokens (same weights): a layout or
         # alignment bug shows here first; ~1e-6 is fp noise between the two code paths.

@@ -17,8 +17,14 @@ Guarantees:
 - Nothing is silently ignored. A TRL field is either mapped, accepted with no effect here
   (`NO_EFFECT`, each with the reason: the trainer prints the ones a script set), accepted only at
   the value that means what we do (`ONLY_DEFAULT`: another value is refused), or refused
-  (`REFUSED`); a name that is none of these is refused too. Every refusal is one `ConfigError`
-  line naming the field and why.
+  (`REFUSED`: a feature we lack, accepted at TRL's default, which leaves it off); a name that is
+  none of these is refused too. Every refusal is one `ConfigError` line naming the field and why.
+  So a config that passes every TRL field at TRL's defaults is taken.
+- TRL's defaults mean what they mean in TRL 1.16 / transformers 5 (the schedule, warm-up, save
+  and eval intervals, epochs, checkpoints kept, reporting), except the few in `DEFAULTS_DIFFER`,
+  each with its reason.
+- Under torchrun every rank runs the script, as with TRL; rank 0 alone writes (TRL's
+  `is_world_process_zero`) and the other ranks wait for it.
 - The data are TRL's: a `prompt` column holding a text (tokenized as it is) or chat messages
   (through the tokenizer's chat template, with the generation prompt); every other column reaches
   the reward functions as TRL passes them.
@@ -27,17 +33,21 @@ Guarantees:
   [{"role": "assistant", "content": text}] lists for conversational prompts; a coroutine function
   is awaited; None means "not applicable" (NaN): the weighted sum ignores it, a sample that no
   function scored is left out of its group's baseline and gets advantage 0 (TRL 1.16).
-- The loss is TRL's where TRL's is defined on the whole batch ("dapo", "dr_grpo", "grpo") and the
-  advantages are TRL's ((r - mean_G) / (std_G + 1e-4), unbiased std): tests/test_trl_api.py checks
-  both against TRL's own GRPOTrainer on one batch.
+- The loss is TRL's where TRL's is defined on the whole batch ("dapo", "dr_grpo", "grpo"), with its
+  bias-corrected KL, its vLLM importance correction (with use_vllm=True) and dapo's normaliser over
+  the generation batch at every optimizer step, and the advantages are TRL's ((r - mean_G) /
+  (std_G + 1e-4), unbiased std): tests/test_trl_api.py checks both against TRL's own GRPOTrainer on
+  one batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import functools
 import inspect
+import itertools
 import json
 import math
 import os
@@ -52,16 +62,12 @@ from periodic_async.data import DataError, Example
 # --- the config ------------------------------------------------------------------------------
 
 NO_EFFECT: dict[str, str] = {
-    "logging_steps": "every iteration is logged (metrics.jsonl, W&B)",
     "logging_first_step": "every iteration is logged",
     "logging_strategy": "every iteration is logged",
     "logging_dir": "logs go under output_dir",
     "log_level": "no effect on what is logged",
     "log_completions": "every completion is written to <output_dir>/rollouts.jsonl",
     "num_completions_to_print": "completions are written to rollouts.jsonl, not printed",
-    "per_device_train_batch_size": "counts completions in the generation batch (see generation_batch_size); "
-                                   "micro-batches are one group each in periodic-async (training starts with the "
-                                   "first group), algorithm.micro_batch_tokens otherwise: the gradient is the same",
     "per_device_eval_batch_size": "held-out prompts go through the engines as one batch",
     "gradient_checkpointing": "activations are kept (memory only: the numbers are the same)",
     "dataloader_num_workers": "prompts are tokenized once, in the producer",
@@ -73,12 +79,6 @@ NO_EFFECT: dict[str, str] = {
     "vllm_mode": "the engines are separate workers (or in-process for sync-colocated); `mode` says which",
     "vllm_gpu_memory_utilization": "the KV cache is engine.vllm_kv_cache_gib (overrides=['engine.vllm_kv_cache_gib=...'])",
     "vllm_enable_sleep_mode": "separated engines keep their memory",
-    "vllm_importance_sampling_correction": "strictly on-policy: every weight push is checked by log-probs, so the "
-                                           "engines' and the trainer's log-probs agree within engine.verify_atol",
-    "vllm_importance_sampling_mode": "see vllm_importance_sampling_correction",
-    "vllm_importance_sampling_cap": "see vllm_importance_sampling_correction",
-    "vllm_importance_sampling_clip_max": "see vllm_importance_sampling_correction",
-    "vllm_importance_sampling_clip_min": "see vllm_importance_sampling_correction",
     "vllm_tensor_parallel_size": "one engine per worker; scale out with num_engine_workers",
     "vllm_max_model_length": "the model's own context",
     "run_name": "the W&B run is named <mode>-<output_dir name>",
@@ -95,6 +95,70 @@ NO_EFFECT: dict[str, str] = {
     "prediction_loss_only": "no prediction loop",
     "skip_memory_metrics": "no memory metrics",
     "include_num_input_tokens_seen": "tokens/trained is always logged",
+    "log_on_each_node": "rank 0 logs",
+    "log_level_replica": "no effect on what is logged",
+    "logging_nan_inf_filter": "every iteration's loss is logged as it is",
+    "log_multimodal": "text prompts only",
+    "log_unique_prompts": "every prompt and completion is written to rollouts.jsonl",
+    "disable_tqdm": "the progress bar is logging.progress (overrides=['logging.progress=false'])",
+    "project": "the W&B project is logging.wandb_project; no trackio",
+    "trackio_space_id": "no trackio",
+    "trackio_bucket_id": "no trackio",
+    "trackio_static_space_id": "no trackio",
+    "torch_compile_backend": "not compiled",
+    "torch_compile_mode": "not compiled",
+    "torch_empty_cache_steps": "the accelerator's cache is left to torch (memory only)",
+    "use_cache": "the trainer's forward passes keep no KV cache; the engines keep their own",
+    "liger_kernel_config": "no Liger kernels (use_liger_kernel)",
+    "eval_do_concat_batches": "no prediction loop",
+    "eval_use_gather_object": "no prediction loop",
+    "eval_accumulation_steps": "no prediction loop",
+    "include_for_metrics": "no compute_metrics: held-out evaluation reports accuracy",
+    "batch_eval_metrics": "no compute_metrics: held-out evaluation reports accuracy",
+    "do_predict": "no prediction loop",
+    "metric_for_best_model": "no best-model selection (load_best_model_at_end)",
+    "greater_is_better": "no best-model selection (load_best_model_at_end)",
+    "ignore_data_skip": "a resume skips nothing: an iteration's prompts are a pure function of seed and iteration",
+    "restore_callback_states_from_checkpoint": "no callbacks",
+    "full_determinism": "every request's sampling seed derives from seed; the trainer keeps torch's default kernels",
+    "data_seed": "the prompt order follows seed (TRL's GRPO sampler also uses seed)",
+    "dataloader_multiprocessing_context": "no dataloader",
+    "dataloader_in_order": "no dataloader",
+    "label_names": "no labels in RL",
+    "train_sampling_strategy": "prompts are reshuffled every epoch (TRL's GRPO sampler)",
+    "length_column_name": "no grouping by length",
+    "ddp_bucket_cap_mb": "trainer ranks use their own DDP/FSDP setup (trainer.parallel)",
+    "ddp_broadcast_buffers": "trainer ranks use their own DDP/FSDP setup (trainer.parallel)",
+    "ddp_static_graph": "trainer ranks use their own DDP/FSDP setup (trainer.parallel)",
+    "ddp_backend": "the backend follows the device: gloo (CPU), nccl (CUDA), hccl (NPU)",
+    "local_rank": "the rank comes from torchrun's environment (LOCAL_RANK)",
+    "accelerator_config": "no Accelerate and no dataloader: trainer ranks are torchrun's (trainer.parallel)",
+    "debug": "no debug modes",
+    "ds3_gather_for_generation": "no DeepSpeed",
+    "pad_to_multiple_of": "sequences are packed, not padded",
+    "hub_token": "nothing is pushed (push_to_hub)",
+    "hub_private_repo": "nothing is pushed (push_to_hub)",
+    "hub_strategy": "nothing is pushed (push_to_hub)",
+    "hub_always_push": "nothing is pushed (push_to_hub)",
+    "hub_revision": "nothing is pushed (push_to_hub)",
+    "vllm_server_host": "no vLLM server (vllm_server_base_url)",
+    "vllm_server_port": "no vLLM server (vllm_server_base_url)",
+    "vllm_server_timeout": "no vLLM server (vllm_server_base_url)",
+    "vllm_group_port": "no vLLM server (vllm_server_base_url)",
+    "vespo_k_pos": "only used by loss_type='vespo', which is not supported",
+    "vespo_lambda_pos": "only used by loss_type='vespo', which is not supported",
+    "vespo_k_neg": "only used by loss_type='vespo', which is not supported",
+    "vespo_lambda_neg": "only used by loss_type='vespo', which is not supported",
+    "sapo_temperature_pos": "only used by loss_type='sapo', which is not supported",
+    "sapo_temperature_neg": "only used by loss_type='sapo', which is not supported",
+    "ref_model_mixup_alpha": "only used with sync_ref_model (accepted at False only)",
+    "ref_model_sync_steps": "only used with sync_ref_model (accepted at False only)",
+    "entropy_coef_min": "only used with use_adaptive_entropy (accepted at False only)",
+    "entropy_coef_max": "only used with use_adaptive_entropy (accepted at False only)",
+    "entropy_coef_delta": "only used with use_adaptive_entropy (accepted at False only)",
+    "entropy_target": "only used with use_adaptive_entropy (accepted at False only)",
+    "transformers_continuous_batching_config": "only used with use_transformers_continuous_batching (accepted at "
+                                               "False only)",
 }
 """TRL / transformers fields accepted with no effect here, and why (docs/trl.md lists them)."""
 
@@ -115,7 +179,6 @@ ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     "cache_implementation": (None, "the engines keep their own KV cache"),
     "sync_ref_model": (False, "the reference model is the initial policy throughout"),
     "off_policy_mask_threshold": (None, "strictly on-policy: nothing to mask"),
-    "use_bias_correction_kl": (False, "on-policy: the ratio is 1 where the KL is taken"),
     "vllm_server_base_url": (None, "the pipeline starts its own engines (engine.ray_address joins a Ray cluster)"),
     "vllm_structured_outputs_regex": (None, "no structured outputs"),
     "use_transformers_continuous_batching": (False, "generation is the engines' (vLLM or the built-in batcher)"),
@@ -131,6 +194,25 @@ ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     "label_smoothing_factor": (0.0, "no label smoothing in RL"),
     "disable_dropout": (False, "the model's own dropout is kept (the presets and SmolLM2 have none): set its "
                                "config's dropout probabilities to 0 to train without"),
+    "lr_scheduler_kwargs": (None, "the schedules take no arguments (linear and cosine decay to 0)"),
+    "optim_args": (None, "AdamW takes learning_rate, adam_*, weight_decay"),
+    "optim_target_modules": (None, "one AdamW over every parameter"),
+    "average_tokens_across_devices": (True, "the loss is normalised by the tokens of all trainer ranks (one "
+                                            "all-reduce per iteration)"),
+    "bf16_full_eval": (False, "held-out evaluation generates with the engines, in the run's dtype"),
+    "fp16_full_eval": (False, "held-out evaluation generates with the engines, in the run's dtype"),
+    "neftune_noise_alpha": (None, "no NEFTune noise"),
+    "eval_delay": (0, "held-out evaluation follows eval_steps from the start"),
+    "save_on_each_node": (False, "rank 0 writes the checkpoints"),
+    "enable_jit_checkpoint": (False, "checkpoints follow save_steps (and a failure or signal saves the last "
+                                     "completed iteration)"),
+    "load_best_model_at_end": (False, "the model is the last iteration's"),
+    "parallelism_config": (None, "no Accelerate: trainer ranks are torchrun's (overrides=['trainer.parallel=...'])"),
+    "trust_remote_code": (False, "models and tokenizers load without remote code"),
+    "router_aux_loss_coef": (None, "no router auxiliary loss (the models here are dense)"),
+    "cast_lm_head_to_fp32": (False, "the lm_head runs in the model's dtype"),
+    "vllm_model_impl": ("vllm", "vLLM runs its own model implementation"),
+    "log_completions_hub_repo": (None, "nothing leaves this machine"),
 }
 """Fields accepted at one value only (TRL's default: what we do); another value is refused with the reason."""
 
@@ -146,16 +228,34 @@ REFUSED: dict[str, str] = {
     "environment_factory": "no environments / tool calling",
     "tools": "no tool calling",
     "use_liger_kernel": "no Liger kernels",
-    "vespo_k_pos": "loss_type='vespo' is not supported",
-    "sapo_temperature_pos": "loss_type='sapo' is not supported",
-    "sapo_temperature_neg": "loss_type='sapo' is not supported",
     "hub_model_id": "nothing leaves this machine",
     "resume_from_checkpoint": "pass it to train(resume_from_checkpoint=...)",
+    "quantization_config": "no quantized training: the engines take full weights at every barrier",
 }
-"""Fields refused whatever their value, and why."""
+"""Features refused, and why: any value but the one that leaves them off (TRL's default: None,
+False, '', or the trainer's optimizers=(None, None)) is refused."""
+
+DEFAULTS_DIFFER: dict[str, str] = {
+    "bf16": "None means bfloat16 on an accelerator and float32 on CPU (TRL: bfloat16 unless fp16): bfloat16 is "
+            "many times slower on most CPUs",
+    "use_vllm": "False lets us choose (engine.worker_backend=auto: vLLM for models of 50M parameters and more when "
+                "installed, else the built-in batcher); TRL then generates with transformers",
+    "save_strategy": "a checkpoint is also written at the end of the run (save_model copies it), whatever the "
+                     "strategy",
+}
+"""Fields that both configs have whose default does something else here than in TRL 1.16, and
+why (docs/trl.md lists them; tests/test_trl_api.py checks that every other default is TRL's)."""
+
+
+def _off(value) -> bool:
+    """Whether a REFUSED feature is left off (TRL's default for each)."""
+    return value is None or value is False or value == "" or value == (None, None)
+
 
 LOSS_TYPES = {"dapo": "token-mean", "dr_grpo": "constant", "grpo": "seq-mean"}
 SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+"""transformers' lr_scheduler_type -> algorithm.lr_scheduler; "constant" has no warm-up (transformers'
+get_constant_schedule), "constant_with_warmup" has."""
 
 
 @dataclass
@@ -168,19 +268,27 @@ class GRPOConfig:
     # optimiser and schedule
     learning_rate: float = 1e-6
     lr_scheduler_type: str = "linear"
+    """'linear', 'cosine', 'constant' (no warm-up) or 'constant_with_warmup', as transformers'."""
     warmup_steps: float = 0
-    """Optimizer steps of warm-up; a value below 1 is a fraction of the run (as transformers 5)."""
+    """Optimizer steps of warm-up; a value below 1 is a fraction of the run, rounded up (as transformers 5)."""
     warmup_ratio: float | None = None
+    """transformers 4's name for a fraction of the run (replaces warmup_steps when set)."""
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
-    optim: str = "adamw_torch"
+    optim: str = "adamw_torch_fused"
+    """Any 'adamw*': torch's AdamW."""
     max_steps: int = -1
     num_train_epochs: float = 3.0
+    """Used when max_steps <= 0: epochs of whole generation batches (TRL's sampler drops an epoch's last
+    partial batch): ceil(num_train_epochs x (prompts // prompts per generation)) generation batches."""
     # batch
     per_device_train_batch_size: int = 8
+    """Completions per process and optimizer step: it sizes the generation batch (TRL's rule), not the
+    micro-batches, which are one group each in periodic-async (training starts with the first group),
+    algorithm.micro_batch_tokens otherwise: the gradient is the same for any split."""
     gradient_accumulation_steps: int = 1
     generation_batch_size: int | None = None
     steps_per_generation: int | None = None
@@ -197,20 +305,39 @@ class GRPOConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None
     loss_type: str = "dapo"
+    """'dapo': token-mean over the generation batch, each of its optimizer steps divided by its tokens /
+    the steps (algorithm.token_mean_scope=iteration); 'dr_grpo'; 'grpo' (docs/trl.md)."""
     scale_rewards: str | bool = "group"
+    use_bias_correction_kl: bool = True
+    """algorithm.kl_bias_correction: the k3 KL times the importance ratio (changes the gradient when beta > 0)."""
+    vllm_importance_sampling_correction: bool = True
+    """With use_vllm=True (TRL's condition): algorithm.behaviour_is = vllm_importance_sampling_mode, the
+    engines' vs the trainer's log-probs; otherwise 'off'."""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_cap: float | None = None
+    """Deprecated in TRL: replaces vllm_importance_sampling_clip_max when set."""
     reward_weights: list[float] | None = None
     # run
     seed: int = 42
     bf16: bool | None = None
     """None: bfloat16 on an accelerator, float32 on CPU (bf16 is many times slower on most CPUs)."""
     use_cpu: bool = False
-    report_to: str | list[str] | None = None
-    """'wandb' / 'all' / None: W&B (offline unless WANDB_MODE=online); 'none': no W&B."""
+    report_to: str | list[str] | None = "none"
+    """'wandb' / 'all': W&B (offline unless WANDB_MODE=online); 'none', [] or None: no W&B."""
+    logging_steps: float = 10
+    """Every iteration is logged here; this only gives eval_steps its default (transformers' rule)."""
     save_strategy: str = "steps"
     save_steps: float = 500
+    """Optimizer steps between checkpoints (a value below 1: a fraction of the run, rounded up), at
+    the first iteration's end at or after each."""
     save_total_limit: int | None = None
+    """Checkpoints kept (trainer.keep_last); None: every one (TRL)."""
     eval_strategy: str = "no"
+    """'no': never evaluate, even with an eval_dataset (TRL); 'steps': every eval_steps."""
     eval_steps: float | None = None
+    """As save_steps; None: logging_steps (transformers' rule)."""
     use_vllm: bool = False
     """True: every engine worker runs vLLM; False: our choice (engine.worker_backend=auto: vLLM for
     models of VLLM_MIN_PARAMETERS and more when it is installed, else the built-in batcher)."""
@@ -234,6 +361,9 @@ class GRPOConfig:
     """The NO_EFFECT fields this config was given (filled by the constructor)."""
 
     def __post_init__(self) -> None:
+        for name in ("lr_scheduler_type", "optim", "save_strategy", "eval_strategy"):  # transformers' enums: names
+            value = getattr(self, name)
+            setattr(self, name, getattr(value, "value", value))
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
         if self.loss_type not in LOSS_TYPES:
@@ -241,6 +371,12 @@ class GRPOConfig:
                    "'dapo' normalises by the whole batch's" if self.loss_type == "bnpo" else "not implemented")
             raise ConfigError(f"GRPOConfig(loss_type={self.loss_type!r}): not supported here ({why}); "
                               f"expected one of {', '.join(LOSS_TYPES)}")
+        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        try:  # TRL's rules for the importance correction, checked where our field is
+            self._algorithm_values()
+        except ConfigError as e:
+            raise ConfigError(f"GRPOConfig(vllm_importance_sampling_*): {e}") from None
         if self.scale_rewards not in ("group", "none"):
             raise ConfigError(f"GRPOConfig(scale_rewards={self.scale_rewards!r}): not supported here (groups are scored "
                               "as they finish, before the batch's std exists); expected 'group' or 'none'")
@@ -256,10 +392,29 @@ class GRPOConfig:
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"GRPOConfig({name}={getattr(self, name)!r}): must be >= 1")
-        if self.generation_batch_size is not None and self.steps_per_generation is not None:
-            raise ConfigError("GRPOConfig: generation_batch_size and steps_per_generation cannot both be set (TRL's rule)")
+        per_step = self.per_device_train_batch_size * _world_size()
+        if self.generation_batch_size is not None and self.steps_per_generation is not None and \
+                self.generation_batch_size != per_step * self.steps_per_generation:
+            # both set: TRL refuses; its own __post_init__ sets both, consistently (a config copied from one is taken)
+            raise ConfigError(f"GRPOConfig(generation_batch_size={self.generation_batch_size}): set it or "
+                              f"steps_per_generation={self.steps_per_generation}, not both (TRL's rule)")
 
     # --- the mapping ------------------------------------------------------------------------
+
+    def _algorithm_values(self) -> dict[str, Any]:
+        """The KL correction, the engines' importance correction and the dapo normaliser, checked
+        (an AlgorithmConfig is built: ConfigError naming the algorithm field)."""
+        from periodic_async.config import AlgorithmConfig
+
+        mode = self.vllm_importance_sampling_mode if self.vllm_importance_sampling_correction else "off"
+        values = {"kl_bias_correction": bool(self.use_bias_correction_kl), "behaviour_is": mode,
+                  "behaviour_is_min": self.vllm_importance_sampling_clip_min,
+                  "behaviour_is_max": self.vllm_importance_sampling_clip_max,
+                  "token_mean_scope": "iteration" if self.loss_type == "dapo" else "step"}
+        AlgorithmConfig(**values)  # TRL checks the mode and bounds whether or not vLLM is used
+        if not self.use_vllm:  # TRL corrects vLLM's samples only
+            values["behaviour_is"] = "off"
+        return {f"algorithm.{k}": v for k, v in values.items()}
 
     @property
     def completions_per_generation(self) -> int:
@@ -294,7 +449,13 @@ class GRPOConfig:
                 raise ConfigError(f"GRPOConfig(max_steps={self.max_steps}): not a whole number of generation batches "
                                   f"of {steps} optimizer steps")
             return self.max_steps // steps
-        return max(1, math.ceil(self.num_train_epochs * num_prompts / self.prompts_per_generation()))
+        batches = num_prompts // self.prompts_per_generation()  # TRL's RepeatSampler drops a partial batch
+        if batches == 0:
+            raise ConfigError(f"GRPOConfig(num_train_epochs={self.num_train_epochs}): the train_dataset's "
+                              f"{num_prompts} prompts are fewer than one generation batch of "
+                              f"{self.prompts_per_generation()} prompts (TRL drops a partial batch, so no step would "
+                              "be taken): set max_steps or a smaller batch")
+        return max(1, math.ceil(self.num_train_epochs * batches))
 
     def run_config(self, num_prompts: int, model: str = "", device: str = "auto") -> RunConfig:
         """The RunConfig this config means for a training set of `num_prompts` prompts."""
@@ -302,14 +463,16 @@ class GRPOConfig:
         steps = self.optimizer_steps_per_generation()
         total = iterations * steps
         warmup = self.warmup_steps if self.warmup_ratio is None else self.warmup_ratio
-        warmup = round(warmup * total) if 0 < warmup < 1 else int(warmup)
+        warmup = math.ceil(warmup * total) if 0 < warmup < 1 else int(warmup)  # transformers' get_warmup_steps
+        if self.lr_scheduler_type == "constant":  # transformers' constant schedule has no warm-up
+            warmup = 0
         accel = device.split(":")[0] in ("cuda", "npu") or (device == "auto" and not self.use_cpu and _accelerator())
         dtype = "bfloat16" if (self.bf16 if self.bf16 is not None else accel) else "float32"
         report = [self.report_to] if isinstance(self.report_to, str) or self.report_to is None else self.report_to
         if any(r not in (None, "none", "wandb", "all") for r in report):
             raise ConfigError(f"GRPOConfig(report_to={self.report_to!r}): not supported here (metrics go to "
                               "metrics.jsonl and W&B); expected 'wandb', 'all' or 'none'")
-        wandb = "disabled" if report == ["none"] else os.environ.get("WANDB_MODE", "offline")
+        wandb = os.environ.get("WANDB_MODE", "offline") if {"wandb", "all"} & set(report) else "disabled"
         values = {
             "model.dtype": dtype, "model.seed": self.seed,
             "model.device": "cpu" if self.use_cpu else device,
@@ -325,7 +488,7 @@ class GRPOConfig:
             "algorithm.max_grad_norm": self.max_grad_norm, "algorithm.optimizer_steps_per_iteration": steps,
             "algorithm.beta": self.beta, "algorithm.eps_low": self.epsilon,
             "algorithm.eps_high": self.epsilon if self.epsilon_high is None else self.epsilon_high,
-            "algorithm.loss_norm": LOSS_TYPES[self.loss_type],
+            "algorithm.loss_norm": LOSS_TYPES[self.loss_type], **self._algorithm_values(),
             "algorithm.advantage": "std" if self.scale_rewards == "group" else "mean", "algorithm.advantage_eps": 1e-4,
             "algorithm.shared_prompt": self.shared_prompt,
             "trainer.iterations": iterations, "trainer.threads": self.trainer_threads,
@@ -337,22 +500,59 @@ class GRPOConfig:
             values.update({"algorithm.micro_batch_tokens": 0, "algorithm.micro_batch_groups": 1})
         if model:
             values["model.name_or_path"] = model
-        if self.save_total_limit is not None:
-            values["trainer.keep_last"] = self.save_total_limit
-        if self.eval_strategy == "steps":
-            values["trainer.eval_every"] = _every(self.eval_steps or 500, steps, total)
+        values["trainer.keep_last"] = 0 if self.save_total_limit is None else self.save_total_limit  # 0: every one
+        if self.eval_strategy == "steps":  # eval_steps None or 0: logging_steps (transformers)
+            values["trainer.eval_every"] = _every(self.eval_steps or self.logging_steps, steps, total)
+        else:  # "no": TRL never evaluates, whatever the eval_dataset
+            values.update({"trainer.eval_every": 0, "trainer.eval_at_end": False})
         overrides = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in values.items()]
         return load_config(RunConfig, None, overrides + list(self.overrides))
 
 
 def _every(steps: float, per_iteration: int, total: int) -> int:
-    """TRL's *_steps (optimizer steps, or a fraction of the run below 1) in iterations."""
-    n = steps * total if 0 < steps < 1 else steps
-    return max(1, round(n / per_iteration))
+    """TRL's *_steps (optimizer steps, or a fraction of the run below 1, rounded up as transformers'
+    TrainerState.compute_steps) in iterations: the first iteration's end at or after them."""
+    n = math.ceil(steps * total) if 0 < steps < 1 else steps
+    return max(1, math.ceil(n / per_iteration))
 
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+SYNC_TIMEOUT_S = 1800.0
+"""How long a rank waits for rank 0's writes (transformers' ddp_timeout default)."""
+_SYNCS = itertools.count()  # every rank makes the same calls in the same order: the n-th is one key
+
+
+def _on_main_process(write: Callable[[], None], what: str) -> None:
+    """`write()` on the main process only (rank 0: TRL's `is_world_process_zero`); under torchrun
+    the other ranks wait until it is done, and raise if it failed. They wait on torchrun's
+    rendezvous store (MASTER_ADDR:MASTER_PORT), which is there before a run joins the process
+    group and after the run closes it."""
+    if _world_size() <= 1:
+        write()
+        return
+    from periodic_async.parallel.distributed import _connect
+
+    store = _connect()
+    store.set_timeout(datetime.timedelta(seconds=SYNC_TIMEOUT_S))
+    key = f"trl_api/{next(_SYNCS)}"
+    if _rank() == 0:
+        try:
+            write()
+        except BaseException as e:
+            store.set(key, f"{type(e).__name__}: {e}")
+            raise
+        store.set(key, "")
+        return
+    error = store.get(key).decode()  # blocks until rank 0 has set it
+    if error:
+        raise UserError(f"rank {_rank()}: rank 0 failed to {what}: {error}")
 
 
 def _accelerator() -> bool:
@@ -373,6 +573,8 @@ def _init(self, *args, **kwargs) -> None:
             continue
         value = kwargs.pop(name)
         if name in REFUSED:
+            if _off(value):  # TRL's default: the feature is off
+                continue
             raise ConfigError(f"GRPOConfig({name}=...): not supported here ({REFUSED[name]})")
         if name in ONLY_DEFAULT:
             default, why = ONLY_DEFAULT[name]
@@ -506,8 +708,10 @@ class GRPOTrainer:
     """TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class)`
     on this pipeline; see the module docstring.
 
-    model: a Hugging Face model directory, a preset name (config.py) or a `PreTrainedModel` (saved
-    to <output_dir>/initial_model with its tokenizer: the engines load weights from a directory).
+    model: a Hugging Face model directory, a hub id ('org/name': its snapshot in the local Hugging Face
+    cache, downloaded when the hub is reachable), a preset name (config.py) or a `PreTrainedModel` (saved
+    to <output_dir>/initial_model with its tokenizer, by rank 0 under torchrun: the engines load
+    weights from a directory).
     reward_funcs: a function, a 'module:function' name, or a list of them (TRL's signature).
     processing_class: the tokenizer; None: the model directory's own.
     """
@@ -538,7 +742,8 @@ class GRPOTrainer:
         self.train_examples = to_examples(train_dataset, "train_dataset")
         if not self.train_examples:
             raise DataError("GRPOTrainer(train_dataset=...): the dataset is empty")
-        self.eval_examples = to_examples(eval_dataset, "eval_dataset")
+        # eval_strategy='no': TRL never evaluates, so the eval_dataset is not used (nor needs an accuracy)
+        self.eval_examples = to_examples(eval_dataset if self.args.eval_strategy != "no" else None, "eval_dataset")
         self.accuracy = self._accuracy_fn()
         if self.eval_examples and self.accuracy is _nan_accuracy:
             raise ConfigError("GRPOTrainer(eval_dataset=...): held-out evaluation reports accuracy, and none applies: "
@@ -549,21 +754,24 @@ class GRPOTrainer:
     def _model_path(self, model, processing_class) -> str:
         """A directory (or preset name) the trainer and the engines load; see the class docstring."""
         if isinstance(model, (str, os.PathLike)):
-            path = str(model)
+            from periodic_async.model import resolve_model_path
+
+            path = resolve_model_path(str(model))  # a hub id ('org/name', as TRL takes): its cached snapshot
             if processing_class is not None:
-                own = Path(path) / "tokenizer_config.json"
-                if not own.is_file() or not _same_tokenizer(processing_class, path):
-                    raise ConfigError(f"GRPOTrainer(processing_class=...): differs from the tokenizer of {path!r} "
-                                      "(the engines decode with the model directory's own): save it there "
-                                      "(processing_class.save_pretrained(...)) or pass processing_class=None")
+                if not (Path(path) / "tokenizer_config.json").is_file():
+                    wrong = f"the tokenizer was not saved with the model: {path} has no tokenizer_config.json"
+                elif not _same_tokenizer(processing_class, path):
+                    wrong = f"differs from the tokenizer saved with the model in {path}"
+                else:
+                    return path
+                raise ConfigError(f"GRPOTrainer(processing_class=...): {wrong} (the engines decode with the model "
+                                  "directory's own): save it there (processing_class.save_pretrained(...)) or pass "
+                                  "processing_class=None")
             return path
         if not hasattr(model, "save_pretrained"):
             raise ConfigError(f"GRPOTrainer(model=...): expected a model directory, a preset name or a PreTrainedModel, "
                               f"got {type(model).__name__}")
         out = self.output_dir / "initial_model"
-        if out.exists():
-            shutil.rmtree(out)
-        model.save_pretrained(out)
         tokenizer = processing_class
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -575,7 +783,14 @@ class GRPOTrainer:
                 raise ConfigError(f"GRPOTrainer(model=<{type(model).__name__}>): no processing_class given and its "
                                   f"tokenizer cannot be loaded from {source!r} ({type(e).__name__}); pass "
                                   "processing_class=tokenizer") from None
-        tokenizer.save_pretrained(out)
+
+        def write() -> None:
+            if out.exists():
+                shutil.rmtree(out)
+            model.save_pretrained(out)
+            tokenizer.save_pretrained(out)
+
+        _on_main_process(write, f"write {out}")
         return str(out)
 
     def _reward_fn(self, f):
@@ -607,7 +822,8 @@ class GRPOTrainer:
         return self.args.run_config(len(self.train_examples), self.model_path)
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
-        """Run the pipeline; returns TrainOutput(global_step, training_loss, metrics)."""
+        """Run the pipeline; returns TrainOutput(global_step, training_loss, metrics), from the run's
+        summary (the same steps and loss on every rank under torchrun)."""
         from periodic_async import pipeline
 
         cfg = self.run_config()
@@ -616,15 +832,15 @@ class GRPOTrainer:
         if self.args.max_prompt_length is not None:
             self._check_prompt_lengths(cfg)
         task = pipeline.Task(self.train_examples, self.eval_examples, self.reward, self.accuracy)
-        summary = pipeline.run(cfg, task=task)
+        summary = pipeline.run(cfg, task=task)  # on every rank under torchrun (the other ranks' summary is short)
         self.state = summary
         self._model = None
-        history = [json.loads(line) for line in (self.output_dir / "metrics.jsonl").read_text().splitlines()
-                   if '"train/loss"' in line]
-        losses = [h["train/loss"] for h in history]
-        steps = len(history) * cfg.algorithm.optimizer_steps_per_iteration
-        return TrainOutput(global_step=steps, training_loss=sum(losses) / len(losses) if losses else math.nan,
-                           metrics=summary)
+        steps = cfg.trainer.iterations * cfg.algorithm.optimizer_steps_per_iteration  # the run ends there
+        return TrainOutput(global_step=steps, training_loss=summary.get("train_loss", math.nan), metrics=summary)
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this is the main process (rank 0 under torchrun), the one that writes (TRL's name)."""
+        return _rank() == 0
 
     def _check_prompt_lengths(self, cfg: RunConfig) -> None:
         from periodic_async.data import encode_prompts
@@ -656,13 +872,18 @@ class GRPOTrainer:
         from periodic_async import checkpoint
 
         out = Path(output_dir or self.output_dir)
-        ckpt = checkpoint.latest(self.output_dir)
-        if ckpt is None:
-            raise UserError(f"GRPOTrainer.save_model: no checkpoint in {str(self.output_dir)!r}: call train() first")
-        out.mkdir(parents=True, exist_ok=True)
-        for f in ckpt.iterdir():
-            if f.is_file() and f.name not in ("trainer_state.pt", "rng_state.pt", "checkpoint.json", "complete"):
-                shutil.copy2(f, out / f.name)
+
+        def write() -> None:
+            ckpt = checkpoint.latest(self.output_dir)
+            if ckpt is None:
+                raise UserError(f"GRPOTrainer.save_model: no checkpoint in {str(self.output_dir)!r}: call train() "
+                                "first")
+            out.mkdir(parents=True, exist_ok=True)
+            for f in ckpt.iterdir():
+                if f.is_file() and f.name not in ("trainer_state.pt", "rng_state.pt", "checkpoint.json", "complete"):
+                    shutil.copy2(f, out / f.name)
+
+        _on_main_process(write, f"save the model to {out}")
         return out
 
 

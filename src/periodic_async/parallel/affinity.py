@@ -9,7 +9,9 @@ and the producer thread on the engines' side of the machine:
 
     engine worker i   engine.cpu_affinity, its slice i (threads_per_worker cores each)
     trainer           trainer.cpu_affinity: the consumer's thread and its torch threads
-    producer          the cores the run holds that are not the trainer's (its thread only)
+    producer          the cores the run holds that are not the trainer's: the producer's thread
+                      and the reward, accuracy and math-verify worker processes (set for every
+                      worker the run starts, and every restart: reward.set_worker_cpus)
 
 Settings (`engine.cpu_affinity`, `trainer.cpu_affinity`): 'auto' (default), 'off', or the cores
 as a list ("1", "0-3", "0,2"). 'auto' pins on a CPU run whose Ray engine workers start on this
@@ -18,15 +20,25 @@ take the first num_workers x threads_per_worker of the cores this process may us
 count of `num_workers_schedule`), and in the separated modes the trainer takes the next
 `trainer.threads`, when there are that many; otherwise (sync-colocated, an in-process engine,
 a Ray cluster of other machines, trainer ranks under torchrun, an accelerator, too few cores)
-the process is left to the OS. A core that this process may not use is refused with one line (ConfigError).
+the process is left to the OS. An explicit engine list must hold a slice for every worker the
+run may start (the largest count of `num_workers_schedule` x threads_per_worker cores), else it
+is refused with one line; so is a core that this process may not use (ConfigError).
 
-While the trainer has raised its threads after generation (`trainer.threads_after_generation`)
-it runs on its cores and the engines' (they are idle until the barrier). The run's report
-(run_info.json: `cpu_affinity`) gives the cores each process was on.
+'auto' assumes the cores this process may use are the run's own: two runs started side by side
+on one machine with the same cores (two lanes of a smoke run sharing a Ray instance, pytest-xdist
+workers) plan the same cores, so each of those cores carries a process of each run. To keep
+concurrent runs apart, start each with its own cores (`taskset -c 0-3 ...`: 'auto' plans within
+them) or give explicit lists; 'off' leaves them all to the OS.
+
+While the trainer has raised its threads after generation (`trainer.threads_after_generation`,
+'auto': sized by the cores the run holds, `Pinned.held`) its threads run on its cores and the
+producer's, which hold the engines' (idle until the barrier); at the barrier they are back on
+its own. The run's report (run_info.json: `cpu_affinity`) gives the cores each process was on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -42,7 +54,7 @@ def available_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if SUPPORTED else list(range(os.cpu_count() or 1))
 
 
-def _checked(value: str, where: str, need: int) -> list[int]:
+def _checked(value: str, where: str, need: int, what: str = "thread(s)") -> list[int]:
     cores = parse_cores(value, where)
     if not SUPPORTED:
         raise ConfigError(f"{where}={value!r}: this platform cannot pin threads to cores (use auto or off)")
@@ -52,7 +64,7 @@ def _checked(value: str, where: str, need: int) -> list[int]:
         raise ConfigError(f"{where}={value!r}: core {missing[0]} does not exist or is not available to this "
                           f"process (available: {_span(have)})")
     if len(cores) < need:
-        raise ConfigError(f"{where}={value!r}: {len(cores)} core(s) for {need} thread(s)")
+        raise ConfigError(f"{where}={value!r}: {len(cores)} core(s) for {need} {what}")
     return cores
 
 
@@ -67,12 +79,16 @@ def max_workers(engine_cfg) -> int:
 def engine_cores(engine_cfg, on_cpu: bool = True) -> list[list[int]] | None:
     """The cores of each engine worker (index i: slice i of engine.cpu_affinity, threads_per_worker
     cores each), or None where the workers are left to the OS (see the module docstring).
-    `on_cpu`: the workers compute on CPU (no GPU share)."""
+    `on_cpu`: the workers compute on CPU (no GPU share). An explicit list gives every worker the
+    run may start (the largest count of num_workers_schedule) a slice of its own: fewer cores
+    than that is a ConfigError (never a worker pinned and another left to the OS)."""
     value, per, n = engine_cfg.cpu_affinity, engine_cfg.threads_per_worker, max_workers(engine_cfg)
     if value == "off":
         return None
     if value != "auto":
-        cores = _checked(value, "engine.cpu_affinity", per)
+        cores = _checked(value, "engine.cpu_affinity", n * per,
+                         f"engine worker thread(s) ({n} worker(s) x engine.threads_per_worker={per}; "
+                         "list more cores, or 'auto' or 'off')")
     elif SUPPORTED and on_cpu and engine_cfg.backend == "ray" and engine_cfg.ray_on_this_machine \
             and len(available_cores()) >= n * per:
         cores = available_cores()[: n * per]
@@ -118,15 +134,28 @@ def pin_thread(cores: list[int] | None) -> None:
         os.sched_setaffinity(0, cores)
 
 
+@contextlib.contextmanager
+def starting_on(cores: list[int] | None):
+    """Threads the calling thread starts inside the block start on `cores` (a new thread takes
+    its creator's cores), so they never run a moment on the caller's; the caller is back on its
+    own cores after the block. None: nothing changes."""
+    if not cores or not SUPPORTED:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
+
+
 def pin_process(cores: list[int] | None) -> None:
     """Pin every thread of this process (Linux: each task under /proc/self/task)."""
     if not cores or not SUPPORTED:
         return
     for tid in _tasks():
-        try:
-            os.sched_setaffinity(tid, cores)
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
-            pass
+        _set(tid, cores)
 
 
 def _tasks() -> list[int]:
@@ -134,6 +163,13 @@ def _tasks() -> list[int]:
         return [int(t) for t in os.listdir("/proc/self/task")]
     except FileNotFoundError:
         return [0]
+
+
+def _set(tid: int, cores: list[int]) -> None:
+    try:
+        os.sched_setaffinity(tid, cores)
+    except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+        pass
 
 
 def _comm(tid: int | str) -> str:
@@ -145,34 +181,53 @@ def _comm(tid: int | str) -> str:
 
 class Pinned:
     """The trainer's process on `plan.trainer` from `__enter__` to `__exit__` (then back to the
-    cores it had). Threads named like the process (Python's, and the OpenMP threads of torch)
-    take the trainer's cores; threads a library named (Ray's gRPC and I/O threads, which receive
-    the engines' results) take the producer's. `widen()` gives every thread the producer's cores
-    too (the engines', idle after generation), `narrow()` sorts them again."""
+    cores it had). On entry, threads named like the process (Python's, and the OpenMP threads of
+    torch) take the trainer's cores; threads a library named (Ray's gRPC and I/O threads, which
+    receive the engines' results) take the producer's. `widen()` gives the trainer's threads
+    (those on exactly the trainer's cores) the producer's cores too: the engines', idle after
+    generation; `narrow()` puts the threads on exactly those widened cores (the trainer's, and
+    the OpenMP threads started meanwhile) back on the trainer's. Threads on other cores (the
+    producer's thread, Ray's) are never moved by either."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.before: list[int] | None = None
 
+    @property
+    def held(self) -> list[int] | None:
+        """The cores of this process's side of the run: the trainer's and the producer's (the
+        cores the process could use when planned), which the trainer holds once widened;
+        None where the trainer is left to the OS."""
+        if not self.plan.trainer:
+            return None
+        return sorted(set(self.plan.trainer) | set(self.plan.producer or []))
+
     def __enter__(self) -> "Pinned":
         if self.plan.trainer:
             self.before = available_cores()
-            self.narrow()
+            own = Path("/proc/self/comm").read_text().strip()
+            for tid in _tasks():
+                _set(tid, self.plan.trainer if _comm(tid) == own else self.plan.producer or self.plan.trainer)
         return self
 
     def widen(self) -> None:
         if self.plan.trainer:
-            pin_process(sorted(set(self.plan.trainer) | set(self.plan.producer or [])))
+            self._move(self.plan.trainer, self.held)
 
     def narrow(self) -> None:
-        if not self.plan.trainer:
+        if self.plan.trainer:
+            self._move(self.held, self.plan.trainer)
+
+    @staticmethod
+    def _move(old: list[int], new: list[int]) -> None:
+        """Every thread of this process on exactly the cores `old` to `new`."""
+        if set(old) == set(new):
             return
-        own = Path("/proc/self/comm").read_text().strip()
         for tid in _tasks():
-            cores = self.plan.trainer if _comm(tid) == own else self.plan.producer or self.plan.trainer
             try:
-                os.sched_setaffinity(tid, cores)
-            except (ProcessLookupError, PermissionError):
+                if os.sched_getaffinity(tid) == set(old):
+                    os.sched_setaffinity(tid, new)
+            except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
                 pass
 
     def __exit__(self, *exc) -> None:
