@@ -18,6 +18,11 @@ predictions (labelled simulated) for 16-64 accelerators.
 3. Predictions, simulated from experiments/device_costs.example.yaml (illustrative
    assumptions, not measurements): a 32B dense model, B=512 x G=16, 16 to 64 devices; per
    mode every inference/training split (periodic_async.scale.plan), the best one marked.
+   When a GPU check's CSVs are in --gpu-results (default results/gpu: trainer.csv, engine.csv
+   from `bash scripts/gpu_check.sh results/gpu`), the same predictions again on that GPU with
+   its measured costs (periodic_async.scale.calibrate.load_gpu_check, measured_device_file;
+   the device file it writes: <results>/device_costs.measured.yaml). Every simulated row says
+   where its costs came from (column `costs`). --predictions-only skips parts 1 and 2.
 
 Writes <results>/scaling_measured.csv, <results>/scaling_simulated.csv (every row kind=simulated)
 and <figures>/scaling.png.
@@ -35,7 +40,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict, write_csv
-from periodic_async.scale.calibrate import MeasuredRun, fit_costs, load_run, simulate_measured
+from periodic_async.scale.calibrate import (MeasuredRun, fit_costs, load_gpu_check, load_run, measured_device_file,
+                                           simulate_measured)
 from periodic_async.config import RunConfig, git_commit, load_config
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.pipeline import run
@@ -161,21 +167,23 @@ def simulate_measured_points(measured: dict[str, list[MeasuredRun]], measured_ro
                      "after_generation_s": round(statistics.median(s.after_generation_s for s in sims), 3),
                      "best": "", "measured_iteration_s": meas, "rel_error": round(it_s / meas - 1, 3),
                      "rel_error_leave_out": round(loo_s / meas - 1, 3) if loo_s else "",
-                     "calibration": "all measured runs (in-sample); leave-out: without this system's runs"})
+                     "calibration": "all measured runs (in-sample); leave-out: without this system's runs",
+                     "costs": f"cpu ({cores} cores), measured (fitted)"})
     return rows, costs
 
 
-def predictions(device_types: list[str], totals: list[int]) -> list[dict]:
+def predictions(device_types: list[str], totals: list[int], costs_path=DEFAULT_COSTS,
+                costs: str = "example (illustrative assumptions)") -> list[dict]:
     rows = []
     for dev in device_types:
-        points, dc = plan(totals, MODEL_PARAMS, dev, PREDICTION, DEFAULT_COSTS)
+        points, dc = plan(totals, MODEL_PARAMS, dev, PREDICTION, costs_path)
         for p in points:
             d = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(p).items() if k != "kind"}
             rows.append({"kind": "simulated", "section": "prediction", "device_type": dev,
                          "model_params": MODEL_PARAMS, "system": "", **d,
-                         "calibration": f"{DEFAULT_COSTS.name} (illustrative assumptions); engine "
+                         "calibration": f"{Path(costs_path).name}; engine "
                                         f"{dc.notes['devices_per_engine']} devices, {dc.slots} slots, "
-                                        f"D0={dc.notes['min_train_devices']}"})
+                                        f"D0={dc.notes['min_train_devices']}", "costs": costs})
     return rows
 
 
@@ -189,18 +197,34 @@ def main(argv=None) -> None:
     ap.add_argument("--device-types", default="H100-SXM-80GB,Ascend-910B")
     ap.add_argument("--trainer-ranks", action="store_true",
                     help="also measure sync-separated with 1 and 2 torchrun trainer ranks (distributed.py)")
+    ap.add_argument("--gpu-results", default="results/gpu",
+                    help="a GPU check's CSVs (scripts/gpu_check.sh): predictions on its measured costs too")
+    ap.add_argument("--predictions-only", action="store_true", help="skip the CPU measurement and its calibration")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 2)
     extra = ["trainer.iterations=2", "algorithm.prompts_per_iteration=4", "data.num_train=1000"] if args.quick else []
-    measured_rows, measured = measure_cpu(args, extra)
     out = Path(args.results)
-    write_csv(out / "scaling_measured.csv", measured_rows)
-    sim_rows, _ = simulate_measured_points(measured, measured_rows)
+    measured_rows, sim_rows = [], []
+    if not args.predictions_only:
+        measured_rows, measured = measure_cpu(args, extra)
+        write_csv(out / "scaling_measured.csv", measured_rows)
+        sim_rows, _ = simulate_measured_points(measured, measured_rows)
     totals = [16, 64] if args.quick else list(range(16, 65, 8))
-    sim_rows += predictions(args.device_types.split(","), totals)
+    sim_rows += predictions([d for d in args.device_types.split(",") if d], totals)
+    gpu = Path(args.gpu_results)
+    if (gpu / "trainer.csv").is_file() and (gpu / "engine.csv").is_file():
+        m = load_gpu_check(gpu)
+        name, device_file = measured_device_file(m, DEFAULT_COSTS, out / "device_costs.measured.yaml")
+        print(f"[scaling] measured costs of {m.gpu} from {gpu} -> {device_file}")
+        sim_rows += predictions([name], totals, device_file, f"{m.label} ({gpu}, commit {m.commit})")
+    else:
+        print(f"[scaling] no GPU check in {gpu} (trainer.csv, engine.csv): example costs only")
     commit = git_commit()
     write_csv(out / "scaling_simulated.csv", [{**r, "git_commit": commit} for r in sim_rows])
+    if args.predictions_only:
+        print(f"[scaling] wrote {out}/scaling_simulated.csv (predictions only)")
+        return
     plot_scaling(out / "scaling_measured.csv", out / "scaling_simulated.csv", Path(args.figures) / "scaling.png")
     for r in measured_rows:
         print({k: r[k] for k in ("system", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "iteration_s",

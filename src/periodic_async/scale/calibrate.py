@@ -37,6 +37,11 @@ N parameters in 16-bit weights:
                      forward is skipped with one step per iteration) / (D0 * peak * mfu_train)
     sync             sync_latency_s + 2N bytes / sync bandwidth
     colocate switch  2 x (trainer state per device + engine weights per device) / host link
+
+Measured on one GPU (`load_gpu_check`, `measured_device_file`): the trainer's packed tokens/s
+and the built-in engine's decode step times from `scripts/gpu_check.sh`'s trainer.csv and
+engine.csv become the utilisations of the formulas above (mfu_train, mfu_decode, the engine's
+per-step overhead), so that the simulator can size other models and deployments on that GPU.
 """
 
 from __future__ import annotations
@@ -299,3 +304,114 @@ def device_costs(spec: dict, assumptions: dict, params: float, context_tokens: f
     notes = {"devices_per_engine": tp, "slots_per_engine": slots, "kv_capacity_tokens": int(kv_tokens),
              "min_train_devices": d0, "model_bytes": weights}
     return DeviceCosts(costs, slots, notes)
+
+
+# --- one GPU, measured (scripts/gpu_check.sh) ---------------------------------------------------
+
+@dataclass(frozen=True)
+class GpuMeasurements:
+    """What the simulator takes from a GPU check (`scripts/gpu_check.sh OUT`: OUT/trainer.csv,
+    OUT/engine.csv): the tri-model trainer's cost per packed token and the built-in engine's
+    decode step, both measured on one device, with the device's datasheet figures."""
+
+    gpu: str
+    commit: str
+    peak_tflops: float
+    """Dense bf16 peak the check computed MFU against (its datasheet table, or --peak-tflops)."""
+    hbm_GBps: float
+    memory_GB: float
+    train_model: str
+    train_params: float
+    train_token_s: float
+    """Seconds per packed token of the micro-step with policy and reference (the largest model measured)."""
+    engine_model: str
+    engine_params: float
+    decode_step_s: float
+    """a: a decode step's fixed cost (line through the step times at the slot counts measured)."""
+    decode_seq_s: float
+    """b: its cost per active sequence."""
+    source: str
+
+    @property
+    def label(self) -> str:
+        """The `costs` label of rows simulated from these measurements."""
+        return f"one {self.gpu}, measured"
+
+
+def _ok_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise ValueError(f"{path}: not found (run `bash scripts/gpu_check.sh {path.parent}` on the GPU)")
+    return [r for r in csv.DictReader(path.open()) if r.get("status") == "ok"]
+
+
+def _number(row: dict, key: str, path: Path) -> float:
+    try:
+        return float(row[key])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: column {key!r} is missing or not a number ({row.get(key)!r})") from None
+
+
+def load_gpu_check(directory: str | Path) -> GpuMeasurements:
+    """Read a GPU check's trainer.csv and engine.csv (rows with status ok). Trainer: the
+    policy + reference row of the largest model; engine: the built-in batcher's step time
+    (wall_s / decode_steps) against its slots, a + b * slots by non-negative least squares."""
+    d = Path(directory)
+    tpath, epath = d / "trainer.csv", d / "engine.csv"
+    train = [r for r in _ok_rows(tpath) if r.get("models") == "policy+ref"]
+    if not train:
+        raise ValueError(f"{tpath}: no row with models=policy+ref and status ok")
+    t = max(train, key=lambda r: _number(r, "params", tpath))
+    rows = [r for r in _ok_rows(epath) if r.get("engine") == "batcher"]
+    if not rows:
+        raise ValueError(f"{epath}: no row with engine=batcher and status ok")
+    by_model: dict[str, list[dict]] = {}
+    for r in rows:
+        by_model.setdefault(r["model"], []).append(r)
+    model, rows = max(by_model.items(), key=lambda kv: len({r["slots"] for r in kv[1]}))
+    slots = np.array([_number(r, "slots", epath) for r in rows])
+    step_s = np.array([_number(r, "wall_s", epath) / max(_number(r, "decode_steps", epath), 1.0) for r in rows])
+    if len(set(slots.tolist())) < 2:
+        raise ValueError(f"{epath}: the batcher was measured at one slot count only ({int(slots[0])}); "
+                         "a and b need two")
+    a, b = (float(x) for x in nnls(np.stack([np.ones_like(slots), slots], 1), step_s))
+    return GpuMeasurements(
+        gpu=t["gpu"], commit=t.get("commit", ""), peak_tflops=_number(t, "peak_tflops", tpath),
+        hbm_GBps=_number(t, "hbm_gbps", tpath), memory_GB=_number(t, "memory_gb", tpath), train_model=t["model"],
+        train_params=_number(t, "params", tpath), train_token_s=1.0 / _number(t, "tokens_per_s", tpath),
+        engine_model=model, engine_params=_number(rows[0], "params", epath), decode_step_s=a, decode_seq_s=b,
+        source=str(d))
+
+
+def measured_device_file(m: GpuMeasurements, example: str | Path, out: str | Path) -> tuple[str, Path]:
+    """Write a device file (the format of `load_device_file`) for the measured GPU and return
+    (its device type, the file). Measured, in the file's conventions (N parameters of the model
+    measured, the same formulas as `device_costs`, so they carry over to another model size):
+        mfu_train          8 N / (train_token_s * peak)     (policy forward+backward + reference forward)
+        mfu_decode         2 N / (b * peak)                 (b > 0; else the example's)
+        decode_overhead_s  a - 2N bytes / (HBM * hbm_util)  (>= 0; the engine's per-step cost)
+    Datasheet: peak and HBM bandwidth (the check's table); memory: what torch reports. Taken
+    from `example` (not measured): hbm_util, the other assumptions, and the link bandwidths of
+    its first device (sync_GBps, host_link_GBps)."""
+    devices, assumptions = load_device_file(example)
+    links = next(iter(devices.values()))
+    peak = m.peak_tflops * 1e12
+    u = dict(assumptions)
+    u["mfu_train"] = float(f"{8 * m.train_params / (m.train_token_s * peak):.4g}")
+    if m.decode_seq_s > 0:  # else (no growth with the slots measured) the example's
+        u["mfu_decode"] = float(f"{2 * m.engine_params / (m.decode_seq_s * peak):.4g}")
+    weights_read = 2 * m.engine_params / (m.hbm_GBps * 1e9 * u["hbm_util"])
+    u["decode_overhead_s"] = float(f"{max(0.0, m.decode_step_s - weights_read):.4g}")
+    name = f"{m.gpu} (measured)"
+    spec = {"peak_tflops": m.peak_tflops, "hbm_GBps": m.hbm_GBps, "memory_GB": m.memory_GB,
+            "sync_GBps": links["sync_GBps"], "host_link_GBps": links["host_link_GBps"]}
+    header = (f"# MEASURED on one {m.gpu} by scripts/gpu_check.sh (commit {m.commit}; {m.source}):\n"
+              f"#   trainer {m.train_model}: {1 / m.train_token_s:.0f} packed tokens/s (policy + reference)\n"
+              f"#   engine {m.engine_model}: decode step {m.decode_step_s * 1e3:.3g} ms + {m.decode_seq_s * 1e3:.3g} ms"
+              f" per sequence\n"
+              f"# -> mfu_train, mfu_decode, decode_overhead_s below; peak, HBM: datasheet; every other\n"
+              f"#    figure is the illustrative assumption of {Path(example).name}. Written by\n"
+              f"#    periodic_async.scale.calibrate.measured_device_file; simulations from it are SIMULATED.\n")
+    p = Path(out)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(header + yaml.safe_dump({"devices": {name: spec}, "assumptions": u}, sort_keys=False))
+    return name, p
