@@ -133,7 +133,8 @@ def test_every_trl_field_is_taken_or_refused_in_one_line():
             assert f"GRPOConfig({name}=" in str(e.value) and why in str(e.value) and "\n" not in str(e.value), name
     # the trainer's arguments: ours, or refused at any value but TRL's default
     for name, p in inspect.signature(trl.GRPOTrainer.__init__).parameters.items():
-        if name in ("self", "model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class"):
+        if name in ("self", "model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
+                    "peft_config"):
             continue
         assert name in trl_api.REFUSED, name
         assert p.default in (None, (None, None)), name
@@ -277,6 +278,95 @@ def test_bad_dataset_and_reward_are_one_line(tmp_path, model_dir):
     with pytest.raises(ConfigError, match="peft_config"):
         GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path), train_dataset=_dataset(False),
                     peft_config={"r": 8})
+
+
+# --- LoRA: peft_config ---------------------------------------------------------------------------
+
+def test_peft_config_sets_model_lora(tmp_path, model_dir):
+    """TRL's peft_config (a peft.LoraConfig) becomes model.lora: r, lora_alpha, lora_dropout and
+    target_modules (names, 'all-linear', or None: peft's default for the architecture, q_proj and
+    v_proj for Qwen2); without it the full model trains."""
+    peft = pytest.importorskip("peft")
+    from periodic_async.config import LoRAConfig
+
+    def lora_of(**kw):
+        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path), train_dataset=_dataset(False),
+                              peft_config=peft.LoraConfig(**kw) if kw else None)
+        return trainer.run_config().model.lora
+
+    assert lora_of() == LoRAConfig() and not lora_of().enabled
+    assert lora_of(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["v_proj", "q_proj"], task_type="CAUSAL_LM") == \
+        LoRAConfig(enabled=True, rank=4, alpha=8.0, dropout=0.05, target_modules=["q_proj", "v_proj"])
+    assert lora_of(r=16, lora_alpha=32, target_modules="all-linear").target_modules == ["all-linear"]
+    assert lora_of(r=16, lora_alpha=32).target_modules == ["q_proj", "v_proj"]
+    assert lora_of(r=8, lora_alpha=16, target_modules={"o_proj", "down_proj"}).target_modules == ["down_proj", "o_proj"]
+
+
+@pytest.mark.parametrize("make, names", [
+    (lambda peft: {"r": 8}, "peft_config=<dict>"),
+    (lambda peft: peft.LoHaConfig(target_modules=["q_proj"]), "peft_config=<LoHaConfig>"),
+    (lambda peft: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), "peft_config=<PromptTuningConfig>"),
+    (lambda peft: peft.LoraConfig(bias="all"), "peft_config=LoraConfig(bias='all')"),
+    (lambda peft: peft.LoraConfig(use_dora=True), "peft_config=LoraConfig(use_dora=True)"),
+    (lambda peft: peft.LoraConfig(use_rslora=True), "peft_config=LoraConfig(use_rslora=True)"),
+    (lambda peft: peft.LoraConfig(modules_to_save=["lm_head"]), "peft_config=LoraConfig(modules_to_save=['lm_head'])"),
+    (lambda peft: peft.LoraConfig(task_type="SEQ_CLS"), "peft_config=LoraConfig(task_type='SEQ_CLS')"),
+    (lambda peft: peft.LoraConfig(target_modules=".*proj"), "peft_config=LoraConfig(target_modules='.*proj')"),
+    (lambda peft: peft.LoraConfig(target_modules=["q_proj", "qkv"]), "model.lora.target_modules"),
+    (lambda peft: peft.LoraConfig(lora_dropout=1.0, target_modules=["q_proj"]), "model.lora.dropout=1.0"),
+])
+def test_unsupported_peft_config_is_one_line(tmp_path, model_dir, make, names):
+    """Another peft method, bias, task or LoRA variant, a regular expression of target modules, a
+    module the model lacks, a bad value: one ConfigError line naming peft_config's field (or the
+    model.lora field it maps to); nothing starts."""
+    peft = pytest.importorskip("peft")
+    with pytest.raises(ConfigError) as e:
+        GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path), train_dataset=_dataset(False),
+                    peft_config=make(peft)).train()
+    assert names in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_peft_model_as_model_is_one_line(tmp_path, model_dir):
+    """A PeftModel as the model: one line asking for the base model and peft_config."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    wrapped = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), peft.LoraConfig(target_modules=["q_proj"]))
+    with pytest.raises(ConfigError, match=r"GRPOTrainer\(model=<PeftModel>\): pass the base model"):
+        GRPOTrainer(model=wrapped, reward_funcs=len, args=_args(tmp_path), train_dataset=_dataset(False))
+
+
+def test_trl_script_with_peft_config_saves_the_adapter(tmp_path, model_dir):
+    """A TRL script with peft_config trains LoRA adapters: save_model writes what TRL writes for a
+    PEFT model (adapter_config.json, adapter_model.safetensors, the tokenizer; no full weights), and
+    `PeftModel.from_pretrained(base, dir)` gives the trained policy's log-probs (the last
+    checkpoint's merged weights), which training moved off the base's; `trainer.model` is that
+    PeftModel."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from periodic_async.shared_prompt import pack, token_logprobs
+
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **kw: [len(c) / 10 for c in completions],
+                          args=_args(tmp_path / "run"), train_dataset=_dataset(False),
+                          peft_config=peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear",
+                                                      task_type="CAUSAL_LM"))
+    assert trainer.train().global_step == 2
+    saved = trainer.save_model(tmp_path / "final")
+    names = {p.name for p in saved.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json"} <= names
+    assert not names & {"model.safetensors", "config.json"}
+    batch = pack([([5, 9, 11, 7], [[12, 30, 8], [40, 41]])])
+    with torch.no_grad():
+        loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), saved)
+        trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint")  # the merged policy
+        base = AutoModelForCausalLM.from_pretrained(model_dir)
+        got, want, start = (token_logprobs(m, batch) for m in (loaded, trained, base))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert (got - start).abs().max() > 1e-4, "training must move the policy"
+        assert isinstance(trainer.model, peft.PeftModel)
+        torch.testing.assert_close(token_logprobs(trainer.model, batch), want, rtol=0, atol=1e-5)
 
 
 # --- the same numbers as TRL ---------------------------------------------------------------------

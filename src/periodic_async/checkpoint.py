@@ -14,6 +14,21 @@ Layout under `trainer.output_dir`:
         complete             the marker, written last
     checkpoint -> checkpoint-<newest>   a symbolic link, moved after each save
 
+With LoRA (`model.lora.enabled`) the checkpoint holds the adapter and the merged policy:
+
+    checkpoint-<t>/
+        model.safetensors    the merged policy theta_t = base + (alpha / r) B A, in model.dtype,
+                             with config.json: the same Hugging Face model directory as without
+                             LoRA, so `model.name_or_path=<run>/checkpoint` still loads the
+                             trained policy as a plain model (with model.lora.enabled a new
+                             adapter trains on top of it)
+        adapter/             adapter_config.json + adapter_model.safetensors: what
+                             `peft.PeftModel.from_pretrained(base, <run>/checkpoint/adapter)`
+                             loads, and what a resume restores (the base is the run's initial
+                             weights, checked by their hash as below)
+        trainer_state.pt, rng_state.pt, checkpoint.json (+ "lora": its settings, which a resume
+                             must have too), complete
+
 Guarantees:
 - Atomic. A checkpoint is written into `checkpoint-<t>.tmp`, its `complete` marker last, and
   renamed into place. `trainer.resume=auto` takes the newest `checkpoint-<t>` holding the
@@ -53,6 +68,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -66,10 +82,13 @@ import torch
 
 from periodic_async import interrupt
 from periodic_async.config import ModelConfig, RunConfig
+from periodic_async.model import is_lora
 
 LATEST = "checkpoint"
 """The symbolic link to the newest complete checkpoint (what `model.name_or_path=<run>/checkpoint` loads)."""
 MARKER = "complete"
+ADAPTER = "adapter"
+"""With LoRA: the subdirectory holding the adapter (a peft adapter directory)."""
 _NAME = re.compile(r"checkpoint-(\d+)")
 
 
@@ -172,7 +191,12 @@ def _write(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunC
     out_dir = Path(out_dir)
     final, tmp = path(out_dir, iteration), out_dir / f"checkpoint-{iteration}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
+    if is_lora(policy):
+        state = policy.state_dict() if weights is None else weights
+        policy.save_pretrained(tmp / ADAPTER, state_dict=state, save_embedding_layers=False)
+        policy.get_base_model().save_pretrained(tmp, state_dict=merged_state_dict(policy, state))
+    else:
+        policy.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
     if not list(tmp.glob("*.safetensors")) or list(tmp.glob("*.bin")):
         raise RuntimeError(f"checkpoint {tmp}: the weights were not written as safetensors")
     if tokenizer is not None:
@@ -186,6 +210,7 @@ def _write(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunC
         "reference": reference_source(cfg.model), "saved_at": time.time(),
         **({"reference_weights": reference} if reference is not None else {}),
         "trainer_ranks": consumer.ranks.world_size,
+        **({"lora": dataclasses.asdict(cfg.model.lora)} if is_lora(policy) else {}),
     }, indent=2))
     (tmp / MARKER).write_text(f"{iteration}\n")
     old = out_dir / f"checkpoint-{iteration}.old"
@@ -213,6 +238,10 @@ def _read_info(ckpt: Path, cfg: RunConfig, reference: str | None = None) -> dict
     """checkpoint.json, refused when this run's reference differs from the checkpoint's: by the
     hash of the weights when both are known (`reference`), else by the source."""
     info = json.loads((ckpt / "checkpoint.json").read_text())
+    lora = dataclasses.asdict(cfg.model.lora) if cfg.model.lora.enabled else None
+    if info.get("lora") != lora:  # the adapter's shape and scaling (alpha / rank) are the run's
+        raise ValueError(f"trainer.resume: checkpoint {str(ckpt)!r} was trained with model.lora={info.get('lora')}, "
+                         f"this run has model.lora={lora}: resume with the checkpoint's model.lora settings")
     if reference is not None and info.get("reference_weights") is not None:
         if info["reference_weights"] != reference:
             raise ValueError(f"trainer.resume: checkpoint {str(ckpt)!r} was trained against reference weights "
@@ -238,6 +267,86 @@ def _read_weights(ckpt: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     return saved
 
 
+def _load_weights(policy, saved: dict[str, torch.Tensor], ckpt: Path) -> None:
+    result = policy.load_state_dict(saved, strict=False)
+    current = policy.state_dict()
+    loaded_ptrs = {current[k].data_ptr() for k in saved if k in current}
+    untied = [k for k in result.missing_keys if current[k].data_ptr() not in loaded_ptrs]
+    if untied or result.unexpected_keys:
+        raise ValueError(f"checkpoint {str(ckpt)!r} does not fit the policy: missing {untied}, "
+                         f"unexpected {result.unexpected_keys}")
+
+
+def merged_state_dict(policy, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LoRA: the merged policy's weights, named as the plain model names them, from `state` (the
+    PeftModel's whole state dict): each adapted weight W becomes W + scaling * B A (scaling =
+    alpha / r, peft's, read from each layer), computed in float32 or wider and stored in W's
+    dtype; the adapter tensors are left out. What `merge_and_unload()` gives, without touching
+    the policy (tests/test_lora.py compares the two)."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = policy.base_model.model  # the HF model, its LoRA layers injected
+    adapter = policy.active_adapter
+    prefix = "base_model.model."
+    out = {}
+    for name, t in state.items():
+        if ".lora_" in name:
+            continue
+        name = name[len(prefix):] if name.startswith(prefix) else name
+        out[name.replace(".base_layer.", ".")] = t
+    for module_name, module in inner.named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            a = state[f"{prefix}{module_name}.lora_A.{adapter}.weight"]
+            b = state[f"{prefix}{module_name}.lora_B.{adapter}.weight"]
+            w = out[f"{module_name}.weight"]
+            wide = torch.promote_types(w.dtype, torch.float32)
+            delta = module.scaling[adapter] * (b.to(wide) @ a.to(wide))
+            out[f"{module_name}.weight"] = (w.to(wide) + delta.to(w.device)).to(w.dtype)
+    return out
+
+
+def _read_adapter(ckpt: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    f = Path(ckpt) / ADAPTER / "adapter_model.safetensors"
+    if not f.is_file():
+        raise ValueError(f"checkpoint {str(ckpt)!r} has no LoRA adapter ({ADAPTER}/adapter_model.safetensors): it was "
+                         "not written with model.lora.enabled; resume it with model.lora.enabled=false")
+    return load_file(f, device=device)
+
+
+def adapter_names(policy) -> dict[str, str]:
+    """LoRA: {name in the adapter files (`get_peft_model_state_dict`'s): the policy's parameter
+    name} of every trainable (adapter) parameter."""
+    from peft import get_peft_model_state_dict
+
+    params = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    by_id = {id(p): n for n, p in params.items()}
+    files = get_peft_model_state_dict(policy, state_dict=params, save_embedding_layers=False)
+    return {f: by_id[id(t)] for f, t in files.items()}
+
+
+def _adapter_as_params(policy, saved: dict[str, torch.Tensor], ckpt: Path) -> dict[str, torch.Tensor]:
+    """The adapter files' tensors under the policy's parameter names; a mismatch is a ValueError."""
+    names = adapter_names(policy)
+    missing, unexpected = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {str(ckpt)!r}: its LoRA adapter does not fit the policy's (model.lora): "
+                         f"missing {missing[:4]}{'...' if len(missing) > 4 else ''}, unexpected "
+                         f"{unexpected[:4]}{'...' if len(unexpected) > 4 else ''}")
+    return {names[f]: t for f, t in saved.items()}
+
+
+def _load_adapter(policy, saved: dict[str, torch.Tensor], ckpt: Path) -> None:
+    params = dict(policy.named_parameters())
+    with torch.no_grad():
+        for name, t in _adapter_as_params(policy, saved, ckpt).items():
+            if params[name].shape != t.shape:
+                raise ValueError(f"checkpoint {str(ckpt)!r}: adapter tensor {name} has shape {tuple(t.shape)}, the "
+                                 f"policy's {tuple(params[name].shape)} (another model.lora.rank?)")
+            params[name].copy_(t)
+
+
 def load(ckpt: Path, policy, consumer, cfg: RunConfig, reference: str | None = None) -> int:
     """Restore the policy (and old), optimizer, scheduler and RNG states from `ckpt` into a
     consumer built from `cfg` (whose ref is the initial weights); returns the iteration to
@@ -249,14 +358,10 @@ def load(ckpt: Path, policy, consumer, cfg: RunConfig, reference: str | None = N
     ckpt = Path(ckpt)
     info = _read_info(ckpt, cfg, reference)
     device = next(policy.parameters()).device
-    saved = _read_weights(ckpt, str(device))
-    result = policy.load_state_dict(saved, strict=False)
-    current = policy.state_dict()
-    loaded_ptrs = {current[k].data_ptr() for k in saved if k in current}
-    untied = [k for k in result.missing_keys if current[k].data_ptr() not in loaded_ptrs]
-    if untied or result.unexpected_keys:
-        raise ValueError(f"checkpoint {str(ckpt)!r} does not fit the policy: missing {untied}, "
-                         f"unexpected {result.unexpected_keys}")
+    if is_lora(policy):
+        _load_adapter(policy, _read_adapter(ckpt, str(device)), ckpt)
+    else:
+        _load_weights(policy, _read_weights(ckpt, str(device)), ckpt)
     consumer.tri.refresh_old()
     consumer.load_state_dict(torch.load(ckpt / "trainer_state.pt", weights_only=True))
     consumer.version = int(info["iteration"])
@@ -271,7 +376,8 @@ def _load_ranks(ckpt: Path | None, policy, consumer, cfg: RunConfig, reference: 
 
     def read() -> dict:
         info = _read_info(ckpt, cfg, reference)
-        local["weights"] = _read_weights(ckpt)
+        local["weights"] = (_adapter_as_params(policy, _read_adapter(ckpt), ckpt) if is_lora(policy)
+                            else _read_weights(ckpt))
         local["trainer"] = torch.load(ckpt / "trainer_state.pt", weights_only=True)
         local["rng"] = torch.load(ckpt / "rng_state.pt", weights_only=True)
         if "optimizer" not in local["trainer"]:
@@ -281,7 +387,7 @@ def _load_ranks(ckpt: Path | None, policy, consumer, cfg: RunConfig, reference: 
 
     head = ranks.from_main(read)
     ranks.load_checkpoint_state(policy, consumer.optimizer, local.get("weights"),
-                                local.get("trainer", {}).get("optimizer"))
+                                local.get("trainer", {}).get("optimizer"), trainable_only=is_lora(policy))
     consumer.tri.refresh_old()
     consumer.load_state_dict(head["trainer"], optimizer=False)
     consumer.version = head["iteration"]

@@ -65,6 +65,37 @@ def parse_cores(value: str, where: str) -> list[int] | None:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (LoRA, through peft) on the policy: the base weights stay frozen and only
+    the adapters train; the reference policy is the base with the adapter disabled and the old
+    policy a copy of the adapter tensors alone, so the paper's unified tri-model holds the base
+    once. The engines receive the adapter tensors at each push (the barrier)."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the full model (needs the `peft` package: `pip install -e .[lora]`)."""
+    rank: int = 16
+    """The adapters' rank r."""
+    alpha: float = 32.0
+    """LoRA's scaling numerator: an adapter adds (alpha / rank) * B A x."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during training forwards, in [0, 1). Any value > 0 makes the
+    policy's log-probs in training differ from the engine's (which runs without dropout)."""
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Names (last component) of the linear modules that get an adapter, each one the model has; or
+    ['all-linear']: every linear module but the output layer (peft's 'all-linear')."""
+
+    def __post_init__(self) -> None:
+        _check(self.rank > 0, "model.lora", "rank", self.rank, "must be > 0")
+        _check(self.alpha > 0, "model.lora", "alpha", self.alpha, "must be > 0")
+        _check(0.0 <= self.dropout < 1.0, "model.lora", "dropout", self.dropout, "must be in [0, 1)")
+        _check(bool(self.target_modules) and all(isinstance(t, str) and t for t in self.target_modules),
+               "model.lora", "target_modules", self.target_modules, "must be a non-empty list of module names")
+        _check("all-linear" not in self.target_modules or len(self.target_modules) == 1, "model.lora",
+               "target_modules", self.target_modules, "'all-linear' stands alone (it names every linear module)")
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = "qwen2-1m"
     """A preset name (see `periodic_async.model.PRESETS`), a local Hugging Face model directory, or a hub id
@@ -81,6 +112,8 @@ class ModelConfig:
     """Seed of the random initialisation of presets."""
     attn_implementation: str = "sdpa"
     """Attention implementation handed to transformers ('sdpa' or 'eager')."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapters (off by default: the full model trains)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.name_or_path), "model", "name_or_path", self.name_or_path, "must not be empty")

@@ -36,7 +36,7 @@ from periodic_async.config import RunConfig
 from periodic_async.parallel.affinity import Pinned, available_cores
 from periodic_async.parallel.distributed import Ranks
 from periodic_async.group import Group
-from periodic_async.model import resolve_device, resolve_dtype
+from periodic_async.model import is_lora, resolve_device, resolve_dtype
 from periodic_async.trace import Tracer
 from periodic_async.trimodel import TriModel
 
@@ -103,9 +103,12 @@ class Consumer:
         # Mixed precision: a bf16/fp16 model trains on float32 master weights (converted here, in
         # place: the caller's `policy` object) with its forwards under autocast; the engines
         # keep the half dtype (`engine_state_dict`). A pure-bf16 AdamW would drop most updates.
+        # With LoRA only the adapters train: they are float32 already (peft's autocast_adapter_dtype)
+        # and the frozen base stays in the model dtype (half the memory of float32 copies).
         self.model_dtype = resolve_dtype(cfg.model.dtype)
+        self.lora = is_lora(policy)
         half = self.model_dtype in (torch.bfloat16, torch.float16)
-        if half:
+        if half and not self.lora:
             policy.float()
         # Score the tempered distribution the engines sample from (engine/batcher.py:sample_next).
         self.tri = TriModel(policy, a, logprob_kwargs={"backend": a.attention_backend,
@@ -117,7 +120,7 @@ class Consumer:
         self.scheduler = lr_scheduler(self.optimizer, a, cfg.trainer.iterations * a.optimizer_steps_per_iteration)
         self.tracer = tracer or Tracer(enabled=False)
         self.device = next(policy.parameters()).device
-        self.dtype = next(policy.parameters()).dtype
+        self.dtype = next(p for p in policy.parameters() if p.requires_grad).dtype  # the masters' (the adapters')
         self.version = 0
         """The policy's version: iterations whose optimizer steps are all taken. It changes with the
         step (signals deferred), so it always labels the weights; `checkpoint.load` restores it."""
@@ -265,7 +268,17 @@ class Consumer:
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights as the engines hold them: in `model.dtype` (half precision
-        when training mixed; the float32 masters stay here)."""
+        when training mixed; the float32 masters stay here). With LoRA the adapter tensors alone,
+        named as `peft.get_peft_model_state_dict` names them, on the CPU, in their training dtype
+        (float32 under mixed precision: peft keeps an engine's adapters in float32 on a half base)."""
+        if self.lora:
+            from peft import get_peft_model_state_dict
+
+            adapter = {n: p.detach() for n, p in self.policy.named_parameters() if p.requires_grad}
+            if self.ranks.lockstep:  # fsdp: a gather every rank joins
+                adapter = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in adapter.items()}
+            state = get_peft_model_state_dict(self.policy, state_dict=adapter, save_embedding_layers=False)
+            return {n: t.to("cpu", copy=True) for n, t in state.items()}
         state = self.ranks.full_state_dict(self.policy)  # fsdp: a gather every rank joins
         return {n: t.detach().to(self.model_dtype) for n, t in state.items()}
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from periodic_async.config import ConfigError, ModelConfig
+from periodic_async.config import ConfigError, LoRAConfig, ModelConfig
 from periodic_async.data.tokenizer import ensure_tokenizer, load_tokenizer
 
 PRESETS: dict[str, dict] = {
@@ -151,7 +151,8 @@ def resolve_model_path(name_or_path: str) -> str:
 
 def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Tokenizer and model of `cfg`. A model directory without `cfg.tokenizer` uses its own tokenizer;
-    a hub id loads from its snapshot (`resolve_model_path`)."""
+    a hub id loads from its snapshot (`resolve_model_path`). With `cfg.lora.enabled` the model is a
+    `peft.PeftModel` around it (`apply_lora`, adapters initialised from `cfg.seed`)."""
     path = resolve_model_path(cfg.name_or_path)  # before a tokenizer is built for a model that is not there
     if path != cfg.name_or_path:
         cfg = dataclasses.replace(cfg, name_or_path=path)
@@ -160,7 +161,58 @@ def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
         tokenizer = load_tokenizer(model_dir)
     else:
         tokenizer = ensure_tokenizer(cfg.tokenizer)
-    return build_model(cfg, tokenizer), tokenizer
+    model = build_model(cfg, tokenizer)
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora, seed=cfg.seed)
+    return model, tokenizer
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """The last name components of the model's `nn.Linear` modules, the output layer (lm_head)
+    excluded: what `model.lora.target_modules` may name (peft's 'all-linear')."""
+    inner = model.get_base_model() if is_lora(model) else model
+    out = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    names = {name.rsplit(".", 1)[-1] for name, m in inner.named_modules()
+             if isinstance(m, torch.nn.Linear) and m is not out and name}
+    return sorted(names)
+
+
+def lora_config(cfg: LoRAConfig):
+    """The `peft.LoraConfig` of `cfg` (task CAUSAL_LM, bias 'none', peft's default initialisation:
+    A random, B zero, so the adapted policy starts as the base model)."""
+    from peft import LoraConfig, TaskType
+
+    targets = "all-linear" if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
+    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                      target_modules=targets, bias="none")
+
+
+def apply_lora(model: PreTrainedModel, cfg: LoRAConfig, seed: int = 0):
+    """`model` wrapped as a `peft.PeftModel` with LoRA adapters on `cfg.target_modules`: the base
+    weights frozen, the adapters trainable (float32 on a bfloat16/float16 base: peft's
+    `autocast_adapter_dtype`; the base's dtype otherwise). The adapters' random initialisation
+    draws from a generator seeded with `seed`, the global RNG untouched, so trainer and engines
+    build the same adapter. A target module the model lacks is a ConfigError naming the field."""
+    try:
+        from peft import get_peft_model
+    except ImportError:
+        raise ConfigError("model.lora.enabled=True: LoRA needs the peft package (pip install -e '.[lora]')") from None
+    linear = linear_module_names(model)
+    missing = [t for t in cfg.target_modules if t not in linear and t != "all-linear"]
+    if missing:
+        raise ConfigError(f"model.lora.target_modules={list(cfg.target_modules)!r}: the model has no linear module "
+                          f"named {', '.join(missing)}; its linear modules are {', '.join(linear)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, lora_config(cfg))
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """Whether `model` is a peft `PeftModel` (a LoRA policy); False when peft was never imported."""
+    import sys
+
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def num_parameters(model: torch.nn.Module) -> int:

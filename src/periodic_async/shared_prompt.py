@@ -32,6 +32,7 @@ Attention back-ends (`token_logprobs(..., backend=...)`, `AlgorithmConfig.attent
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -209,6 +210,15 @@ _flex_failed = False
 """Set when FlexAttention raised once in this process: later calls go straight to split."""
 
 
+def causal_lm(model):
+    """The HF causal LM to drive: a peft `PeftModel` (a LoRA policy) gives the model inside it,
+    whose layers carry the adapters (and obey `disable_adapter()`); any other model is itself."""
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.get_base_model()
+    return model
+
+
 def token_logprobs(model, batch: PackedBatch, with_entropy: bool = False, backend: str = "auto",
                    temperature: float = 1.0):
     """Per-label log-probs `logp_N` (and detached entropies `entropy_N`) of a HF causal LM,
@@ -224,6 +234,7 @@ def token_logprobs(model, batch: PackedBatch, with_entropy: bool = False, backen
     global _flex_failed
     if temperature < 0:
         raise ValueError(f"token_logprobs: temperature={temperature} must be >= 0")
+    model = causal_lm(model)
 
     def label_logits(name):
         kwargs = dict(input_ids=batch.input_ids_1xT, position_ids=batch.position_ids_1xT, use_cache=False,

@@ -36,9 +36,18 @@ API (the consumer's iteration)::
     metrics = tri.optimizer_step(optimizer, acc)          # normalise once, clip, step, zero_grad
     tri.refresh_old()                                     # the barrier: old <- policy
 
+LoRA (`model.lora`, a peft `PeftModel` policy): the base weights are held once. The policy is the
+base with its adapter; ref is the same base with the adapter disabled (`policy.disable_adapter()`,
+no copy); old is a frozen copy of the adapter tensors alone, swapped into the adapter (copied in
+place, and back) for the old forward, which runs, with the ref forward, before the policy's in
+the micro-step, so that no autograd graph holds the swapped tensors. Only the adapters train (the
+optimizer holds them alone); under mixed precision they are the float32 masters and the frozen
+base stays in `model.dtype`.
+
 Lower level: `out = tri.forward(packed)` returns a `TriLogprobs` (policy_N with grad,
 old_N, ref_N or None, entropy_N); `grpo.micro_batch_loss(...)` turns it into a loss sum.
-`tri.memory()` reports the parameter bytes of the three models.
+`tri.memory()` reports the parameter bytes of the three models (with LoRA: the base once, in
+policy_bytes; old_bytes the adapter copy; ref_bytes 0).
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from typing import Callable
 import torch
 
 from periodic_async import grpo
+from periodic_async.model import is_lora
 from periodic_async.shared_prompt import PackedBatch, token_logprobs
 
 
@@ -75,10 +85,11 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return frozen
 
 
-def _param_bytes(model: torch.nn.Module | None) -> int:
+def _param_bytes(model: torch.nn.Module | dict | None) -> int:
     if model is None:
         return 0
-    unique = {id(p): p for p in model.parameters()}.values()  # tied embeddings once
+    tensors = model.values() if isinstance(model, dict) else model.parameters()
+    unique = {id(p): p for p in tensors}.values()  # tied embeddings once
     return sum(p.numel() * p.element_size() for p in unique)
 
 
@@ -108,9 +119,15 @@ class TriModel:
         self.policy, self.cfg = policy, cfg
         if autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"TriModel: autocast_dtype={autocast_dtype}: expected None, bfloat16 or float16")
-        if autocast_dtype is not None and any(p.dtype != torch.float32 for p in policy.parameters()):
+        self.lora = is_lora(policy)
+        self.lm = policy.get_base_model() if self.lora else policy
+        """The HF causal LM the log-probs are computed on (with LoRA: the one inside the PeftModel,
+        its adapters injected)."""
+        trained = [p for p in policy.parameters() if p.requires_grad] if self.lora else list(policy.parameters())
+        if autocast_dtype is not None and any(p.dtype != torch.float32 for p in trained):
             raise ValueError(f"TriModel: mixed precision ({autocast_dtype}) needs float32 master weights; "
-                             f"the policy has {next(policy.parameters()).dtype} parameters")
+                             f"the policy has {next(p.dtype for p in trained if p.dtype != torch.float32)} "
+                             f"{'adapter ' if self.lora else ''}parameters")
         self.autocast_dtype = autocast_dtype
         device_type = next(policy.parameters()).device.type
         # Loss sums (not means) are backpropagated: per-token gradients are O(1), so start the
@@ -120,6 +137,12 @@ class TriModel:
         self.logprob_kwargs = dict(logprob_kwargs or {})
         self.old_from_behaviour = old_from_behaviour
         self.skip_old = (bool(cfg.skip_old_forward) and cfg.optimizer_steps_per_iteration == 1) or old_from_behaviour
+        if self.lora:  # ref: the adapter disabled; old: the adapter tensors, laid out as the policy's
+            self.ref = None
+            if layout is not None:  # the HF model inside (fsdp: its root runs the forwards, token_logprobs)
+                layout(self.lm)
+            self.old = None if self.skip_old else {n: p.detach().clone() for n, p in self._adapter()}
+            return
         self.old = None if self.skip_old else _frozen_copy(policy)
         self.ref = _frozen_copy(policy) if cfg.beta > 0 else None
         if layout is not None:  # the same layout for the three (distributed.Ranks.layout): refresh_old stays local
@@ -127,17 +150,48 @@ class TriModel:
                 if model is not None:
                     layout(model)
 
+    def _adapter(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """LoRA: the policy's trainable (adapter) parameters, by name."""
+        return [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def _old_adapter(self):
+        """LoRA: the old adapter tensors in the policy's adapter for the duration (copied in, and
+        the policy's copied back after): exact, and no graph may hold the adapter meanwhile."""
+        with torch.no_grad():
+            adapter = self._adapter()
+            held = [p.detach().clone() for _, p in adapter]
+            for n, p in adapter:
+                p.copy_(self.old[n])
+            try:
+                yield
+            finally:
+                for (_, p), h in zip(adapter, held):
+                    p.copy_(h)
+
     def forward(self, packed: PackedBatch, with_entropy: bool = True) -> TriLogprobs:
         """Log-probs of the three models on one packed micro-batch (same input, layout, device)."""
         kw = self.logprob_kwargs
         with self._autocast():
+            old_N = ref_N = None
+            if self.lora:  # old and ref first: they run through the policy's own modules
+                with torch.no_grad():
+                    if self.old is not None:
+                        with self._old_adapter():
+                            old_N = token_logprobs(self.lm, packed, **kw)
+                    if self.cfg.beta > 0:
+                        with self.policy.disable_adapter():
+                            ref_N = token_logprobs(self.lm, packed, **kw)
             if with_entropy:
-                policy_N, entropy_N = token_logprobs(self.policy, packed, with_entropy=True, **kw)
+                policy_N, entropy_N = token_logprobs(self.lm, packed, with_entropy=True, **kw)
             else:
-                policy_N, entropy_N = token_logprobs(self.policy, packed, **kw), None
-            with torch.no_grad():
-                old_N = policy_N.detach() if self.old is None else token_logprobs(self.old, packed, **kw)
-                ref_N = None if self.ref is None else token_logprobs(self.ref, packed, **kw)
+                policy_N, entropy_N = token_logprobs(self.lm, packed, **kw), None
+            if not self.lora:
+                with torch.no_grad():
+                    old_N = None if self.old is None else token_logprobs(self.old, packed, **kw)
+                    ref_N = None if self.ref is None else token_logprobs(self.ref, packed, **kw)
+            if old_N is None:
+                old_N = policy_N.detach()
         return TriLogprobs(policy_N, old_N, ref_N, entropy_N)
 
     def _autocast(self):
@@ -200,6 +254,10 @@ class TriModel:
         """The barrier: copy the policy's weights into the old model in place (no-op when skipped)."""
         if self.old is None:
             return
+        if self.lora:  # the adapter tensors alone: the base is shared and frozen
+            for name, p in self._adapter():
+                self.old[name].copy_(p)
+            return
         for (name, p_old), (name_p, p) in zip(self.old.named_parameters(), self.policy.named_parameters()):
             if name != name_p:
                 raise RuntimeError(f"refresh_old: old and policy parameters differ ({name} vs {name_p})")
@@ -210,7 +268,10 @@ class TriModel:
             b_old.copy_(b)
 
     def memory(self) -> dict[str, int]:
-        """Parameter bytes of each model (tied weights once) and their total."""
+        """Parameter bytes of each model (tied weights once) and their total. With LoRA the base is
+        counted once, in policy_bytes (base and adapter); old_bytes is the adapter copy, ref_bytes 0
+        (the base with the adapter disabled). Not counted: the policy's adapter held aside during
+        the old forward (one more adapter copy, freed after it)."""
         m = {"policy_bytes": _param_bytes(self.policy), "old_bytes": _param_bytes(self.old),
              "ref_bytes": _param_bytes(self.ref)}
         m["total_bytes"] = sum(m.values())

@@ -220,7 +220,6 @@ REFUSED: dict[str, str] = {
     "deepspeed": "trainer ranks are torchrun DDP/FSDP here (overrides=['trainer.parallel=fsdp'])",
     "fsdp": "use overrides=['trainer.parallel=fsdp'] under torchrun",
     "fsdp_config": "use overrides=['trainer.parallel=fsdp'] under torchrun",
-    "peft_config": "LoRA/PEFT is not supported: the engines take full weights at every barrier",
     "reward_processing_classes": "reward models (nn.Module rewards) are not supported: pass reward functions",
     "callbacks": "no Trainer callbacks: the run writes metrics.jsonl, eval.jsonl, rollouts.jsonl and W&B",
     "optimizers": "the optimizer is AdamW (learning_rate, adam_*, weight_decay, lr_scheduler_type)",
@@ -714,10 +713,12 @@ class GRPOTrainer:
     weights from a directory).
     reward_funcs: a function, a 'module:function' name, or a list of them (TRL's signature).
     processing_class: the tokenizer; None: the model directory's own.
+    peft_config: a `peft.LoraConfig`: LoRA adapters train on the frozen model (model.lora; `lora_from_peft`
+    says what is taken); `save_model` then writes the adapter, as TRL does for a PEFT model.
     """
 
     def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, **kwargs) -> None:
+                 processing_class=None, peft_config=None, **kwargs) -> None:
         for name, value in kwargs.items():
             if value is not None and value != (None, None):  # TRL's optimizers=(None, None)
                 raise ConfigError(f"GRPOTrainer({name}=...): not supported here "
@@ -726,6 +727,14 @@ class GRPOTrainer:
         if self.args.no_effect:
             print(f"[GRPOConfig] no effect here: {', '.join(sorted(self.args.no_effect))} (docs/trl.md says why)")
         self.output_dir = Path(self.args.output_dir or "trainer_output")
+        from periodic_async.model import is_lora
+
+        if is_lora(model):
+            raise ConfigError("GRPOTrainer(model=<PeftModel>): pass the base model and the adapter's settings as "
+                              "peft_config=LoraConfig(...) (the engines load the base and take the adapter at each "
+                              "push)")
+        self.lora = None if peft_config is None else lora_from_peft(peft_config, model)
+        """model.lora of the run (from TRL's peft_config), or None: the full model trains."""
         self.model_path = self._model_path(model, processing_class)
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not funcs:
@@ -818,8 +827,11 @@ class GRPOTrainer:
         return _nan_accuracy
 
     def run_config(self) -> RunConfig:
-        """The run's RunConfig (GRPOConfig.run_config on this dataset and model)."""
-        return self.args.run_config(len(self.train_examples), self.model_path)
+        """The run's RunConfig (GRPOConfig.run_config on this dataset and model; model.lora from peft_config)."""
+        cfg = self.args.run_config(len(self.train_examples), self.model_path)
+        if self.lora is not None:
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=self.lora))
+        return cfg
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Run the pipeline; returns TrainOutput(global_step, training_loss, metrics), from the run's
@@ -858,33 +870,136 @@ class GRPOTrainer:
 
     @property
     def model(self):
-        """The trained policy (loaded from the last checkpoint), or the initial one before train()."""
+        """The trained policy (loaded from the last checkpoint), or the initial one before train().
+        With peft_config: a `peft.PeftModel` (the base and the trained adapter), as TRL's."""
         if self._model is None:
-            from transformers import AutoModelForCausalLM
-
             ckpt = self.output_dir / "checkpoint"
-            self._model = AutoModelForCausalLM.from_pretrained(ckpt if ckpt.exists() else self.model_path)
+            if self.lora is not None:
+                from periodic_async.config import LoRAConfig
+                from periodic_async.model import apply_lora, load_policy
+
+                cfg = self.run_config()
+                base, _ = load_policy(dataclasses.replace(cfg.model, lora=LoRAConfig()))
+                if ckpt.exists():
+                    from peft import PeftModel
+
+                    from periodic_async.checkpoint import ADAPTER
+
+                    self._model = PeftModel.from_pretrained(base, ckpt / ADAPTER)
+                else:
+                    self._model = apply_lora(base, self.lora, seed=cfg.model.seed)
+            else:
+                from transformers import AutoModelForCausalLM
+
+                self._model = AutoModelForCausalLM.from_pretrained(ckpt if ckpt.exists() else self.model_path)
         return self._model
 
     def save_model(self, output_dir: str | None = None) -> Path:
         """Write the trained policy and its tokenizer as a Hugging Face directory
-        (`AutoModelForCausalLM.from_pretrained(output_dir)` loads it)."""
+        (`AutoModelForCausalLM.from_pretrained(output_dir)` loads it). With peft_config, as TRL
+        writes a PEFT model: the adapter (adapter_config.json, adapter_model.safetensors) and the
+        tokenizer, which `peft.PeftModel.from_pretrained(base, output_dir)` loads."""
         from periodic_async import checkpoint
 
         out = Path(output_dir or self.output_dir)
+        model_files = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
         def write() -> None:
             ckpt = checkpoint.latest(self.output_dir)
             if ckpt is None:
                 raise UserError(f"GRPOTrainer.save_model: no checkpoint in {str(self.output_dir)!r}: call train() "
                                 "first")
+            lora = (ckpt / checkpoint.ADAPTER).is_dir()
             out.mkdir(parents=True, exist_ok=True)
             for f in ckpt.iterdir():
                 if f.is_file() and f.name not in ("trainer_state.pt", "rng_state.pt", "checkpoint.json", "complete"):
+                    if lora and (f.name in model_files or f.name.startswith("model-")):
+                        continue  # the merged policy: a PEFT model is saved as its adapter
+                    shutil.copy2(f, out / f.name)
+            if lora:
+                for f in (ckpt / checkpoint.ADAPTER).iterdir():
                     shutil.copy2(f, out / f.name)
 
         _on_main_process(write, f"save the model to {out}")
         return out
+
+
+LORA_FIELDS = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout",
+               "target_modules": "model.lora.target_modules"}
+"""peft.LoraConfig fields mapped to model.lora (the others must be left at peft's defaults, or be
+the bookkeeping fields in `LORA_IGNORED`)."""
+LORA_IGNORED = ("task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+                "inference_mode", "bias", "runtime_config")
+"""peft.LoraConfig fields with nothing to map: bookkeeping, or checked on their own (bias 'none',
+task_type None or CAUSAL_LM)."""
+
+
+def lora_from_peft(peft_config, model=None):
+    """TRL's `peft_config` (a `peft.LoraConfig`) as `model.lora`: r, lora_alpha, lora_dropout and
+    target_modules (a list of module names, 'all-linear', or None: peft's default for the model's
+    architecture). Anything else is one ConfigError line naming peft_config: another peft method,
+    bias other than 'none', a task other than CAUSAL_LM, or a LoRA variant (any other field away
+    from peft's default: DoRA, rsLoRA, other initialisations, modules_to_save, ...)."""
+    import dataclasses as dc
+
+    from periodic_async.config import LoRAConfig
+
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        raise ConfigError("GRPOTrainer(peft_config=...): LoRA needs the peft package (pip install -e '.[lora]')") \
+            from None
+    name = type(peft_config).__name__
+    if not isinstance(peft_config, LoraConfig):
+        raise ConfigError(f"GRPOTrainer(peft_config=<{name}>): not supported here: only peft.LoraConfig (LoRA "
+                          "adapters, which the engines take at every push)")
+    if peft_config.bias != "none":
+        raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(bias={peft_config.bias!r})): not supported here: "
+                          "bias must be 'none' (only the LoRA matrices train)")
+    task = getattr(peft_config.task_type, "value", peft_config.task_type)
+    if task not in (None, "CAUSAL_LM"):
+        raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(task_type={task!r})): expected 'CAUSAL_LM'")
+    default = LoraConfig()
+    for f in dc.fields(peft_config):
+        if f.name in LORA_FIELDS or f.name in LORA_IGNORED:
+            continue
+        value, want = getattr(peft_config, f.name), getattr(default, f.name)
+        if value != want:
+            raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig({f.name}={value!r})): not supported here (LoRA "
+                              f"takes r, lora_alpha, lora_dropout and target_modules); leave it at {want!r}")
+    targets = peft_config.target_modules
+    if targets is None:
+        targets = _default_lora_targets(model)
+    elif isinstance(targets, str):
+        if targets != "all-linear":
+            raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(target_modules={targets!r})): a regular expression "
+                              "is not supported here: give a list of module names or 'all-linear'")
+        targets = ["all-linear"]
+    try:
+        return LoRAConfig(enabled=True, rank=int(peft_config.r), alpha=float(peft_config.lora_alpha),
+                          dropout=float(peft_config.lora_dropout), target_modules=sorted(targets))
+    except ConfigError as e:
+        raise ConfigError(f"GRPOTrainer(peft_config=...): {e}") from None
+
+
+def _default_lora_targets(model) -> list[str]:
+    """peft's default LoRA target modules for the architecture of `model` (a preset name, a model
+    directory or hub id, or a PreTrainedModel), as peft picks them when target_modules is None."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    from periodic_async.model import PRESETS, resolve_model_path
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is None and isinstance(model, (str, os.PathLike)):
+        path = resolve_model_path(str(model))
+        if path in PRESETS:
+            model_type = PRESETS[path]["model_type"]
+        elif (Path(path) / "config.json").is_file():
+            model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    if model_type not in DEFAULTS:
+        raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(target_modules=None)): peft has no default target "
+                          f"modules for model type {model_type!r}: give target_modules (names, or 'all-linear')")
+    return list(DEFAULTS[model_type])
 
 
 def _same_tokenizer(tokenizer, path: str) -> bool:

@@ -3,6 +3,8 @@
     engine = make_engine(cfg.engine, cfg.model)          # 'local' | 'ray' | 'vllm'
     for out in engine.generate(requests): ...             # groups in completion order
     engine.update_weights(policy.state_dict(), version)   # at the iteration barrier
+    (model.lora.enabled: every engine serves its own base + apply_lora, and a push is the adapter
+    alone, as peft.get_peft_model_state_dict names it; base.load_adapter, vllm_engine.py)
 
 base.py     the contract (Request, SamplingParams, Sample, RequestOutput, Engine, WeightSync)
 batcher.py  the continuous-batching scheduler and slot KV cache every built-in engine runs

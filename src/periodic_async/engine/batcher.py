@@ -14,6 +14,12 @@ additive mask (row r sees keys 0..length_r), so any HF causal LM whose attention
 Prefill: a request's prompt runs once (batch 1, no padding); its KV is copied into each of
 its n slots, and its last logits give every sample's first token (like vLLM with n > 1).
 
+LoRA (model.lora.enabled): the model is the peft model `apply_lora(base)` and runs as the
+trainer's PeftModel does, the adapter unmerged (base(x) + scale * B(A(x)) in every adapted
+linear: the same arithmetic as the trainer, so float64 log-probs agree bitwise; merging B A into
+the base weights would round differently and need the base kept to unmerge at the next push).
+`update_weights` then takes the adapter alone (`base.load_adapter`).
+
 Reproducibility: sample k of a request draws its uniforms from its own Philox generator
 seeded from (seed, k), and one uniform per token picks the token by inverse CDF, so the
 draws do not depend on the batch. The arithmetic is made batch-invariant where the CPU
@@ -38,7 +44,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from periodic_async.engine.base import EngineError, Request, RequestOutput, Sample, load_weights
+from periodic_async.engine.base import EngineError, Request, RequestOutput, Sample, adapter_spec, load_weights
+from periodic_async.model import is_lora
 
 MIN_ROWS = 4
 """Decode at least this many rows (dummies fill the rest): keeps GEMMs on one kernel path."""
@@ -216,9 +223,13 @@ class ContinuousBatcher:
         eos = model.generation_config.eos_token_id
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.eos_ids = set(eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-        fwd = inspect.signature(model.forward).parameters
+        # a peft model (model.lora.enabled) runs as the trainer's does, adapters unmerged; its
+        # forward hands the cache and logits_to_keep on to the model inside (whose signature counts)
+        inner = model.get_base_model() if is_lora(model) else model
+        fwd = inspect.signature(inner.forward).parameters
         self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
         self._keep_kw = "logits_to_keep" in fwd
+        self._adapter = adapter_spec(model) if is_lora(model) else None  # what every push must be (LoRA)
         self.steps = 0
 
     # --- public -----------------------------------------------------------------------
@@ -255,7 +266,7 @@ class ContinuousBatcher:
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         if self.has_work:  # a real check: python -O keeps it
             raise RuntimeError("update_weights while requests are in flight would mix versions")
-        load_weights(self.model, state_dict)
+        load_weights(self.model, state_dict, self._adapter)
         self.version = version
 
     # --- scheduling ---------------------------------------------------------------------

@@ -46,6 +46,11 @@ worker that cannot start (vLLM missing on its node, an unsupported model, a KV c
 not fit) fails with an EngineError naming the worker and the one-line cause its constructor
 raised; the engine's other workers are stopped with it.
 
+LoRA (model.lora.enabled): every worker builds `apply_lora(base)` (the built-in batcher) or a
+vLLM engine with LoRA on (vllm_engine.py), and every push, through either weight sync, carries the
+adapter alone (a few MB instead of the model; the object store and the broadcast treat it as any
+state dict). A model.lora.rank vLLM cannot serve is refused before any worker starts.
+
 After-push probe: `probe_logprobs(token_ids)` asks every worker for its log-probs of a token
 sequence (vLLM's prompt log-probs, or a forward of the batcher's model), which engine/verify.py
 compares with the trainer's at the barrier.
@@ -229,6 +234,10 @@ class RayEngine(Engine):
             chosen = resolve_worker_backend(engine_cfg, model_cfg)
             log.info("engine.worker_backend=auto: %s for %s", chosen, model_cfg.name_or_path)
             engine_cfg = dataclasses.replace(engine_cfg, worker_backend=chosen)
+        if engine_cfg.worker_backend == "vllm" and model_cfg.lora.enabled:  # before any worker starts
+            from periodic_async.engine.vllm_engine import vllm_lora_rank
+
+            vllm_lora_rank(model_cfg.lora)
         self.cfg = engine_cfg
         self.timeout_s = engine_cfg.timeout_s
         self._owns_ray = init_ray(engine_cfg)

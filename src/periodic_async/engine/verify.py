@@ -24,6 +24,14 @@ outputs agree with them on the probe to that tolerance. Measured in fp32 through
 that did not arrive. A push that changes the weights by less than the tolerance cannot be
 told from a push that did not arrive. The built-in engines copy weights exactly (gap ~1e-7).
 
+LoRA (model.lora.enabled): the push is the adapter alone, and both sides score through it. The
+trainer's policy is a peft model, whose forward applies its adapter; the engines' probes run
+through the adapter they were pushed (the built-in engines' peft model, vLLM's LoRA request of
+the version). A stale adapter, one missing a tensor that was never loaded, or a base that is
+not the trainer's shows as a gap like any push that did not arrive (tests/test_lora_engines.py).
+With `copy` the reference is the base built from the config (as the trainer built it) with the
+same adapters, loaded with each pushed adapter.
+
 Engines that cannot be probed return None and are skipped (logged once).
 """
 
@@ -35,7 +43,8 @@ import time
 import numpy as np
 import torch
 
-from periodic_async.engine.base import Engine, EngineError
+from periodic_async.engine.base import Engine, EngineError, load_adapter
+from periodic_async.model import is_lora
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +83,8 @@ class PushCheck:
     """After-push comparison of engine and trainer log-probs on `token_ids` (see the module
     docstring). `reference` is the trainer's model, whose weights are the pushed ones; with
     `copy` it is a stand-alone copy that loads the pushed state dict before each check (FSDP
-    trainer ranks: the policy's forward would be a collective of all ranks)."""
+    trainer ranks: the policy's forward would be a collective of all ranks); with LoRA, the
+    pushed adapter into a copy of the base with the same adapters."""
 
     def __init__(self, reference: torch.nn.Module, token_ids: list[int], atol: float, when: str = "every",
                  copy: bool = False) -> None:
@@ -95,7 +105,15 @@ class PushCheck:
             return None
         atol = engine_cfg.verify_atol if engine_cfg.verify_atol is not None else default_atol(model_cfg.dtype)
         reference = policy
-        if copy:
+        if copy and is_lora(policy):  # the pushes carry the adapter alone: the copy needs the base
+            import dataclasses
+
+            from periodic_async.model import load_policy
+
+            reference, _ = load_policy(dataclasses.replace(model_cfg, device="cpu"))
+            if model_cfg.dtype in ("bfloat16", "float16"):  # scored in float32 (an exact upcast)
+                reference = reference.float()
+        elif copy:
             from transformers import AutoModelForCausalLM
 
             reference = AutoModelForCausalLM.from_config(policy.config, dtype=torch.float32)
@@ -122,7 +140,11 @@ class PushCheck:
         if self.copy:
             if state_dict is None:
                 raise ValueError("PushCheck(copy=True).after_push needs the pushed state_dict")
-            self.reference.load_state_dict({k: v.float() for k, v in state_dict.items()})
+            dtype = next(self.reference.parameters()).dtype
+            if is_lora(self.reference):
+                load_adapter(self.reference, {k: v.to(dtype) for k, v in state_dict.items()})
+            else:
+                self.reference.load_state_dict({k: v.float() for k, v in state_dict.items()})
         ref = model_logprobs(self.reference, self.token_ids)
         self.checks += 1
         gaps = {}

@@ -239,11 +239,13 @@ class Ranks:
         return weights, (optimizer.state_dict() if optim is None else _by_index(optim, _param_names(model, optimizer)))
 
     def load_checkpoint_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                              weights: dict | None, optimizer_state: dict | None) -> None:
+                              weights: dict | None, optimizer_state: dict | None,
+                              trainable_only: bool = False) -> None:
         """Every rank: load rank 0's whole `weights` (tied weights may appear once, as in a
         safetensors checkpoint) and `optimizer_state` (keyed by parameter index, as
         `optimizer.state_dict()`) into this rank's model and optimizer, each rank taking its
-        part (ddp: all of it); the other ranks pass None. A collective."""
+        part (ddp: all of it); the other ranks pass None. A collective. `trainable_only` (LoRA):
+        `weights` holds the trainable parameters (the adapters) alone; the frozen rest stays."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
 
@@ -255,7 +257,8 @@ class Ranks:
             for alias, name in _aliases(model).items():
                 if alias not in weights and name in weights:
                     weights[alias] = weights[name]
-            expected = set(model.state_dict())
+            expected = ({n for n, p in model.named_parameters() if p.requires_grad} if trainable_only
+                        else set(model.state_dict()))
             missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
             if missing or unexpected:
                 raise ValueError(f"the checkpoint's weights do not fit the policy: missing {missing}, "
@@ -268,7 +271,7 @@ class Ranks:
             return bool(optimizer_state["state"])
 
         has_state = self.from_main(check)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not trainable_only)
         set_model_state_dict(model, weights if self.is_main else {}, options=options)
         if has_state:  # else the fresh optimizer is the saved one (a checkpoint before any step)
             set_optimizer_state_dict(model, optimizer, optimizer_state if self.is_main else {}, options=options)
