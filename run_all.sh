@@ -29,10 +29,10 @@ declare -A MAIN_CSV=(
   [shared_prompt_ablation]=shared_prompt.csv [trimodel_cost]=trimodel_cost.csv [async_speedup]=async_speedup.csv
   [shared_async]=shared_async.csv [reward_curves]=reward_curves_summary.csv [fig1_timeline]=fig1_timeline.csv
   [equivalence]=equivalence.csv [scaling]=scaling_measured.csv [soak]=soak_summary.csv
-  [reward_curves_real]=reward_curves_real_summary.csv [trl_dropin]=trl_dropin.csv
+  [reward_curves_real]=reward_curves_real_summary.csv [trl_dropin]=trl_dropin.csv [lora]=lora_push.csv
 )
 EXPERIMENTS=(warm_start table2_throughput engine_throughput shared_prompt_ablation trimodel_cost async_speedup
-             shared_async reward_curves fig1_timeline equivalence scaling soak reward_curves_real trl_dropin)
+             shared_async reward_curves fig1_timeline equivalence scaling soak reward_curves_real trl_dropin lora)
 # A smoke run takes two lanes, each running its experiments one after another. They are split so
 # that both take about as long (measured in a two-lane smoke run at af62326 on a 2-core AVX-512 AMD
 # EPYC, in seconds: reward_curves_real 175, trl_dropin 130, table2_throughput 98, engine_throughput
@@ -40,8 +40,8 @@ EXPERIMENTS=(warm_start table2_throughput engine_throughput shared_prompt_ablati
 # fig1_timeline 22, warm_start 17, shared_prompt_ablation 13, trimodel_cost 9). The second lane
 # takes the rest in EXPERIMENTS' order, warm_start first: its model (artifacts/sft-quick) is what
 # equivalence and fig1_timeline load. In a smoke run reward_curves_real and trl_dropin load
-# SmolLM2-135M: both in the first lane, so no two SmolLM2 experiments run side by side.
-FIRST_LANE=(reward_curves_real trl_dropin engine_throughput shared_prompt_ablation)
+# SmolLM2-135M (lora too): all in the first lane, so no two SmolLM2 experiments run side by side.
+FIRST_LANE=(reward_curves_real trl_dropin lora engine_throughput shared_prompt_ablation)
 # Two lanes only for a smoke run: the full run measures times, and two experiments side by side
 # would share the cores (and its SmolLM2 experiments would run beside each other).
 LANES="${LANES:-$([ "${QUICK:-0}" != 0 ] && echo 2 || echo 1)}"

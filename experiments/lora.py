@@ -1,0 +1,201 @@
+"""LoRA against full fine-tuning (beyond the paper): what the barrier pushes and what the tri-model holds.
+
+With `model.lora.enabled` the paper's two fixed costs shrink: the barrier pushes the adapter
+alone, and the unified tri-model keeps one base (the reference is the base with the adapter
+off; the old policy a copy of the adapter tensors). Measured on SmolLM2-135M-Instruct, fp32,
+LoRA r=16 (alpha 32) on all seven linear projections, one thread:
+
+1. push (results/lora_push.csv): per engine (the built-in engine in this process, vLLM in this
+   process), the bytes of one push and the seconds of the push and of its check (the probe's
+   log-probs on the engine against the trainer's), median over versions 2..V of one process
+   (version 1 is the engine's first push). One process per (engine, mode): a process holds one
+   vLLM engine. The two modes alternate round by round; ratios are medians of per-round ratios.
+2. tri-model (results/lora_trimodel.csv): parameter bytes of policy + old + ref, and one
+   micro-step's time (2 groups x 4 responses x 64 tokens after a 128-token prompt), LoRA
+   against full, with every model kept (beta > 0, two optimizer steps per iteration) and in the
+   default (beta = 0, one step: policy only); variants interleaved round by round in one process.
+
+    bash experiments/lora.sh            # 3 rounds (about 12 minutes on 2 cores)
+    QUICK=1 bash experiments/lora.sh    # 1 round, 2 versions, vLLM only, a small micro-batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+MODEL = "artifacts/smollm2-135m-instruct"
+LORA = {"rank": 16, "alpha": 32.0}
+
+
+def _model_cfg(path: str, lora: bool):
+    from periodic_async.config import LoRAConfig, ModelConfig
+
+    return ModelConfig(name_or_path=path, tokenizer=path, device="cpu", dtype="float32",
+                       lora=LoRAConfig(enabled=lora, **LORA))
+
+
+def push_one(engine_name: str, mode: str, versions: int, path: str) -> dict:
+    """One process: start the engine, push `versions` versions of a moving policy, check each."""
+    from periodic_async.config import EngineConfig
+    from periodic_async.engine import make_engine
+    from periodic_async.engine.verify import PushCheck, probe_tokens
+    from periodic_async.model import load_policy
+
+    torch.set_num_threads(1)
+    lora = mode == "lora"
+    cfg = _model_cfg(path, lora)
+    policy, _ = load_policy(cfg)
+    gen = torch.Generator().manual_seed(0)
+    engine = make_engine(EngineConfig(backend=engine_name, max_num_seqs=8, vllm_kv_cache_gib=0.5), cfg)
+    check = PushCheck(policy, probe_tokens(policy.config.vocab_size), 1e-3)
+    rows = []
+    try:
+        for v in range(1, versions + 1):
+            with torch.no_grad():  # a training step's worth of change to what is trained
+                for p in policy.parameters():
+                    if p.requires_grad:
+                        p.add_((0.02 if lora else 1e-3) * torch.randn(p.shape, generator=gen))
+            t0 = time.perf_counter()
+            if lora:
+                from peft import get_peft_model_state_dict
+
+                state = {n: t.detach().to("cpu", copy=True) for n, t in get_peft_model_state_dict(policy).items()}
+            else:
+                state = {n: t.detach() for n, t in policy.state_dict().items()}
+            extract_s = time.perf_counter() - t0
+            unique = {t.data_ptr(): t for t in state.values()}.values()
+            push_s = engine.update_weights(state, v)
+            gaps = check.after_push(engine, v, push_s)
+            rows.append({"extract_s": extract_s, "push_s": push_s, "check_s": check.last["time/verify_s"],
+                         "gap": float(gaps[0]), "bytes": sum(t.numel() * t.element_size() for t in unique),
+                         "tensors": len(state)})
+    finally:
+        engine.close()
+    steady = rows[1:] or rows
+    out = {k: statistics.median(r[k] for r in steady) for k in ("extract_s", "push_s", "check_s")}
+    out.update(bytes=rows[0]["bytes"], tensors=rows[0]["tensors"], max_gap=max(r["gap"] for r in rows),
+               versions=len(steady))
+    return out
+
+
+def push_rounds(engines: list[str], rounds: int, versions: int, path: str) -> list[dict]:
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for rnd in range(rounds):
+        for engine_name in engines:
+            modes = ["full", "lora"] if rnd % 2 == 0 else ["lora", "full"]
+            for mode in modes:
+                r = subprocess.run([sys.executable, __file__, "push-one", engine_name, mode, str(versions), path],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    sys.exit(f"lora.py: {engine_name}/{mode} failed:\n{r.stderr[-3000:]}")
+                result = json.loads(r.stdout.strip().splitlines()[-1])
+                print(f"[lora] round {rnd + 1}/{rounds} {engine_name} {mode}: {result}", flush=True)
+                runs.setdefault((engine_name, mode), []).append(result)
+    rows = []
+    for engine_name in engines:
+        full, lora = runs[(engine_name, "full")], runs[(engine_name, "lora")]
+        for mode, rs in (("full", full), ("lora", lora)):
+            total = [r["push_s"] + r["check_s"] for r in rs]
+            ratio = [(a["push_s"] + a["check_s"]) / (b["push_s"] + b["check_s"]) for a, b in zip(rs, full)]
+            rows.append({
+                "engine": engine_name, "mode": mode, "bytes": rs[0]["bytes"], "tensors": rs[0]["tensors"],
+                "bytes_vs_full": round(rs[0]["bytes"] / full[0]["bytes"], 4),
+                "push_s": round(statistics.median(r["push_s"] for r in rs), 4),
+                "check_s": round(statistics.median(r["check_s"] for r in rs), 4),
+                "push_check_s": round(statistics.median(total), 4),
+                "push_check_s_min": round(min(total), 4), "push_check_s_max": round(max(total), 4),
+                "push_check_vs_full": round(statistics.median(ratio), 3),
+                "push_check_vs_full_min": round(min(ratio), 3), "push_check_vs_full_max": round(max(ratio), 3),
+                "extract_s": round(statistics.median(r["extract_s"] for r in rs), 4),
+                "max_gap": max(r["max_gap"] for r in rs), "rounds": len(rs),
+                "versions_per_round": rs[0]["versions"], "model": Path(path).name, "lora_rank": LORA["rank"]})
+    return rows
+
+
+def trimodel_rounds(rounds: int, path: str, shape: tuple[int, int, int, int] = (2, 4, 128, 64)) -> list[dict]:
+    """Tri-model bytes and micro-step time, LoRA against full, interleaved in this process."""
+    sys.path.insert(0, str(HERE))
+    from trimodel_cost import make_micro_batch
+
+    from periodic_async import grpo
+    from periodic_async.config import AlgorithmConfig
+    from periodic_async.model import load_policy, num_parameters
+    from periodic_async.trimodel import TriModel
+
+    torch.set_num_threads(1)
+    models = {mode: load_policy(_model_cfg(path, mode == "lora"))[0] for mode in ("full", "lora")}
+    one = num_parameters(models["full"]) * 4
+    inputs = make_micro_batch(models["full"].config.vocab_size, *shape).build(shared=True)
+    variants = {"all_kept": (0.04, False, 2), "default": (0.0, True, 1)}  # beta, skip_old_forward, steps
+    tris = {(mode, v): TriModel(models[mode], AlgorithmConfig(group_size=4, beta=b, skip_old_forward=s,
+                                                              optimizer_steps_per_iteration=k))
+            for mode in models for v, (b, s, k) in variants.items()}
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in tris}
+    for rnd in range(rounds + 1):
+        order = list(tris)
+        random.Random(rnd).shuffle(order)
+        for key in order:
+            models[key[0]].zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            tris[key].micro_step(inputs, grpo.LossAccumulator("token-mean"))
+            if rnd > 0:  # round 0 warms up
+                times[key].append(time.perf_counter() - t0)
+        print(f"[lora] tri-model round {rnd}/{rounds}", flush=True)
+    rows = []
+    for (mode, v), ts in times.items():
+        full = times[("full", v)]
+        mem = tris[(mode, v)].memory()
+        rows.append({"mode": mode, "variant": v, **mem, "weights_vs_one_model": round(mem["total_bytes"] / one, 3),
+                     "micro_step_s": round(statistics.median(ts), 4), "micro_step_s_min": round(min(ts), 4),
+                     "micro_step_s_max": round(max(ts), 4),
+                     "micro_step_vs_full": round(statistics.median(t / f for t, f in zip(ts, full)), 3),
+                     "packed_tokens": inputs.packed.num_tokens, "rounds": len(ts), "model": Path(path).name,
+                     "lora_rank": LORA["rank"]})
+    return rows
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "push-one":
+        engine_name, mode, versions, path = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+        print(json.dumps(push_one(engine_name, mode, versions, path)))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--versions", type=int, default=6, help="pushes per process (the first is not counted)")
+    ap.add_argument("--engines", default="local,vllm")
+    ap.add_argument("--quick", action="store_true", help="1 round, 2 versions, vLLM only, a small micro-batch")
+    ap.add_argument("--results", default="results")
+    args = ap.parse_args()
+    if args.quick:  # the same code paths, small: vLLM only, a small micro-batch
+        args.rounds, args.versions, args.engines = 1, 2, "vllm"
+    from periodic_async.bench.protocol import write_csv
+    from periodic_async.trace import log_experiment
+
+    out = Path(args.results)
+    tri = (trimodel_rounds(1, args.model, (1, 2, 32, 16)) if args.quick
+           else trimodel_rounds(max(args.rounds, 3), args.model))
+    write_csv(out / "lora_trimodel.csv", tri)
+    push = push_rounds(args.engines.split(","), args.rounds, args.versions, args.model)
+    write_csv(out / "lora_push.csv", push)
+    for r in tri:
+        print(f"{r['mode']:5s} {r['variant']:9s} weights x{r['weights_vs_one_model']:.3f} one model, "
+              f"micro-step {r['micro_step_s']:.3f} s (x{r['micro_step_vs_full']:.2f} full)")
+    for r in push:
+        print(f"{r['engine']:6s} {r['mode']:5s} {r['bytes'] / 2**20:7.1f} MiB  push+check {r['push_check_s']:.3f} s "
+              f"(x{r['push_check_vs_full']:.2f} full)")
+    log_experiment("lora", [out / "lora_push.csv", out / "lora_trimodel.csv"])
+
+
+if __name__ == "__main__":
+    main()
