@@ -4,6 +4,7 @@ import line below switched to `from trl import GRPOConfig, GRPOTrainer` it runs 
 otherwise (experiments/trl_dropin.py times both).
 
     python examples/trl_grpo.py --model artifacts/smollm2-135m-instruct --max-steps 10
+    python examples/trl_grpo.py --model artifacts/smollm2-135m-instruct --max-steps 2 --lora   # a LoRA adapter
 
 The data are one-step word problems made here (conversational prompts and an `answer` column);
 `correctness` reads that column, `brevity` the completion's length. Each reward call records the
@@ -61,7 +62,13 @@ def main() -> None:
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--max-completion-length", type=int, default=64)
+    p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft_config), as TRL takes it")
     args = p.parse_args()
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
 
     config = GRPOConfig(
         output_dir=args.output_dir, max_steps=args.max_steps, learning_rate=1e-5,
@@ -70,8 +77,10 @@ def main() -> None:
         bf16=False, use_cpu=not torch.cuda.is_available(), gradient_checkpointing=False, seed=0,
         save_strategy="no",
     )
+    if args.lora:
+        config.learning_rate = 1e-4  # an adapter takes a larger step than the whole model
     trainer = GRPOTrainer(model=args.model, reward_funcs=[correctness, brevity], args=config,
-                          train_dataset=word_problems(200))
+                          train_dataset=word_problems(200), peft_config=peft_config)
     t0 = time.time()
     out = trainer.train()
     total = time.time() - t0

@@ -139,6 +139,20 @@ SOURCES = {  # marker -> (csv file, script that writes it, one-line caption[, co
                ["model", "distribution", "workers", "builtin_tok_s", "vllm_tok_s", "hf_tok_s", "vllm_vs_builtin",
                 "vllm_vs_builtin_min", "vllm_vs_builtin_max", "builtin_vs_hf", "vllm_vs_hf", "faster", "tokens",
                 "repeats"]),
+    "lora_trimodel": ("lora_trimodel.csv", "experiments/lora.sh",
+                      "LoRA against full fine-tuning, the tri-model: parameter bytes of policy + old + ref "
+                      "(LoRA: the base once, the old policy a copy of the adapter tensors, the reference the base "
+                      "with the adapter off) and one micro-step's time, interleaved rounds.",
+                      ["mode", "variant", "policy_bytes", "old_bytes", "ref_bytes", "total_bytes",
+                       "weights_vs_one_model", "micro_step_s", "micro_step_s_min", "micro_step_s_max",
+                       "micro_step_vs_full", "packed_tokens", "rounds", "model", "lora_rank"]),
+    "lora_push": ("lora_push.csv", "experiments/lora.sh",
+                  "LoRA against full fine-tuning, the barrier: bytes of one push and the seconds of the push and "
+                  "of its check (the engine's probe log-probs against the trainer's), median over versions 2-V "
+                  "of each round's process; `max_gap` is the largest probe gap of every push.",
+                  ["engine", "mode", "bytes", "bytes_vs_full", "tensors", "push_s", "check_s", "push_check_s",
+                   "push_check_s_min", "push_check_s_max", "push_check_vs_full", "push_check_vs_full_min",
+                   "push_check_vs_full_max", "max_gap", "rounds", "versions_per_round"]),
     "trimodel_cost": ("trimodel_cost.csv", "experiments/trimodel_cost.sh",
                       "Tri-model micro-step cost against a policy-only forward/backward."),
     "table2_throughput": ("table2_throughput.csv", "experiments/table2_throughput.sh",
@@ -332,8 +346,10 @@ def _async_balanced(results, rows):
     tuned = _rows(results, "async_speedup.csv")
     if tuned:
         r = _pa(tuned)
-        text += (f"; on the CPU-tuned workload (the trainer takes the engine's core once generation ends, one run, "
-                 f"bound {_x(r['bound'])}): {_x(r['speedup_vs_sync_separated'])}, efficiency {float(r['efficiency']):.2f}")
+        text += (f"; on the CPU-tuned workload (the trainer takes the engine's core once generation ends, one run of "
+                 f"{r['repeats']} rounds, bound {_x(r['bound'])}): {_x(r['speedup_vs_sync_separated'])} (min-max "
+                 f"{_x(r['speedup_min'])}-{_x(r['speedup_max'])}), efficiency {float(r['efficiency']):.2f}, "
+                 f"{_x(r['speedup_vs_sync_colocated'])} over sync-colocated")
     return text
 
 
@@ -622,6 +638,44 @@ def _trimodel_on(results, rows):
     return f"random-weight `{r['preset']}`, {r['dtype']}, one micro-step of {r['packed_tokens']} tokens; {r['repeats']} rounds"
 
 
+LORA_WEIGHTS, LORA_BYTES = 1.1, 0.1
+"""LoRA's targets: tri-model weights at most 1.1x one model; a push of at most a tenth of the full model's bytes."""
+
+
+def _lora(results, rows):
+    push = _rows(results, "lora_push.csv") or []
+    kept = next(r for r in rows if r["mode"] == "lora" and r["variant"] == "all_kept")
+    out = (f"tri-model weights {_x(kept['weights_vs_one_model'], 3)} one model with old and ref kept "
+           f"(full: {_x(next(r for r in rows if r['mode'] == 'full' and r['variant'] == 'all_kept')['weights_vs_one_model'], 1)}), "
+           f"micro-step {_x(kept['micro_step_vs_full'])} full's")
+    for r in (r for r in push if r["mode"] == "lora"):
+        out += (f"; {r['engine']} push {float(r['bytes']) / 2**20:.1f} MiB ({float(r['bytes_vs_full']):.3f} of full), "
+                f"push + check {float(r['push_check_s']):.2f} s, {_x(r['push_check_vs_full'])} full's "
+                f"(min-max {_x(r['push_check_vs_full_min'])}-{_x(r['push_check_vs_full_max'])})")
+    return out + "; learning (held-out gain) not measured yet"
+
+
+def _lora_verdict(results, rows):
+    push = [r for r in (_rows(results, "lora_push.csv") or []) if r["mode"] == "lora"]
+    kept = float(next(r for r in rows if r["mode"] == "lora" and r["variant"] == "all_kept")["weights_vs_one_model"])
+    if kept > LORA_WEIGHTS:
+        return _missed(f"{kept - LORA_WEIGHTS:.3f}x one model's weights", "layout")
+    if not push or any(float(r["bytes_vs_full"]) > LORA_BYTES for r in push):
+        return _missed("its push bytes", "layout")
+    slow = [r for r in push if float(r["push_check_vs_full"]) > 1]
+    if slow:
+        return _missed(", ".join(f"{_x(float(r['push_check_vs_full']) - 1)} of full's push + check ({r['engine']})"
+                                 for r in slow), "CPU", "the check's forward through the unmerged adapter")
+    return _met()
+
+
+def _lora_on(results, rows):
+    r = rows[0]
+    return (f"{r['model']}, fp32, LoRA r={r['lora_rank']} on all seven projections; {r['rounds']} rounds "
+            f"(tri-model), {(_rows(results, 'lora_push.csv') or [{}])[0].get('rounds', '?')} rounds of one process "
+            "per engine and mode (push)")
+
+
 def _best_simulated(rows, device_type="H100-SXM-80GB"):
     """{(mode, devices): tokens/s} of the best split per mode, simulated predictions only."""
     return {(r["mode"], int(r["devices"])): float(r["tokens_per_s"]) for r in rows
@@ -729,6 +783,10 @@ CLAIMS = [  # claim, paper value, target, results CSV, ours, verdict, measured o
     dict(claim="Unified tri-model: policy, old and reference side by side", paper="three copies of the weights",
          target="weights 3x one model", file="trimodel_cost.csv", ours=_trimodel, verdict=_trimodel_verdict,
          on=_trimodel_on, command="bash experiments/trimodel_cost.sh"),
+    dict(claim="Beyond the paper: LoRA adapters shrink the tri-model and the barrier", paper="(not in the paper)",
+         target=f"tri-model weights ≤ {LORA_WEIGHTS:g}x one model; a push ≤ {LORA_BYTES:g} of full's bytes, push + "
+                "check no slower than full's",
+         file="lora_trimodel.csv", ours=_lora, verdict=_lora_verdict, on=_lora_on, command="bash experiments/lora.sh"),
     dict(claim="Near-linear scaling from 16 to 64 devices", paper="near-linear",
          target=f"≥ {LINEAR_TARGET:g} of linear from the smallest to the largest size", file="scaling_simulated.csv",
          ours=_scaling, verdict=_scaling_verdict, on=_simulated_on, command="bash experiments/scaling.sh"),
