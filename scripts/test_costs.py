@@ -91,7 +91,7 @@ def main() -> None:
             if busy is not None:
                 busy.kill()
         records = [json.loads(line) for f in sorted(Path(tmp).glob("costs.jsonl*"))  # .gw0, .gw1 under xdist
-                   for line in f.read_text().splitlines()]
+                   for line in f.read_text().splitlines() if line.strip()]
     tests = per_test(records)
     rows = [{"test": name, "group": group_of(t), "seconds": round(t["seconds"], 2), "outcome": t.get("outcome", ""),
              **{k: int(t[k]) for k in COUNTS}, "suite_wall_s": round(wall, 1),
