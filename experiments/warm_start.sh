@@ -18,9 +18,10 @@ from periodic_async.config import cpu_name, git_commit
 from periodic_async.trace import log_experiment
 summary = json.load(open(sys.argv[1]))
 keys = ["model", "parameters", "steps", "examples_seen", "train_seconds", "eval_n", "accuracy_before", "accuracy_after"]
+commit, cpu = git_commit(), cpu_name()  # before the CSV (a tracked file) is rewritten
 with open(sys.argv[2], "w", newline="") as f:
     w = csv.writer(f); w.writerow(keys + ["git_commit", "cpu"])
-    w.writerow([summary[k] for k in keys] + [git_commit(), cpu_name()])
+    w.writerow([summary[k] for k in keys] + [commit, cpu])
 print(f"wrote {sys.argv[2]}")
 log_experiment("warm_start", [sys.argv[2]])
 PY

@@ -14,6 +14,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -768,8 +769,11 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"config file {path}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+@functools.cache
 def git_commit() -> str:
-    """The current git commit (with '-dirty' when the tree has changes), or 'unknown'."""
+    """The git commit of the code this process runs (with '-dirty' when the tree had changes), or
+    'unknown'. Read once, at the first call, so that what the process writes itself (an experiment's
+    CSVs, rewritten before its last rows are stamped) never marks its own rows dirty."""
     try:
         here = Path(__file__).resolve().parent
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
