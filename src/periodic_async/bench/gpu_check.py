@@ -409,12 +409,19 @@ def check_logprobs(table: Table, sizes: Sizes, tokenizer, device: torch.device, 
 
 
 def check_push_gap(table: Table, sizes: Sizes, tokenizer, device: torch.device, budget: Budget) -> None:
-    """engine/verify.py's after-push check, bf16 engine against the fp32 trainer, as the pipeline
-    runs it: at random-init logits, and with the final norm x16 (logits of a trained LM's spread)."""
+    """engine/verify.py's after-push probe, bf16 engine against the trainer, as the pipeline runs
+    it: at random-init logits, and with the final norm x16 (the logit spread of a trained LM).
+
+    Measured, not asserted by the probe itself (the gap is recorded even above `engine.verify_atol`):
+    the gap against each way the trainer can score the probe (`reference`: its fp32 weights; its
+    fp32 weights under bf16 autocast; the pushed bf16 weights, the engine's own precision), and
+    the signal a missed push leaves (`missed_push_signal`: the probe's change when every weight
+    moves by lr, an Adam step's size, scored in fp32 and on the bf16-rounded weights)."""
     from periodic_async.engine.local import LocalEngine
-    from periodic_async.engine.verify import PushCheck, default_atol, probe_tokens
+    from periodic_async.engine.verify import default_atol, model_logprobs, probe_tokens
 
     atol = default_atol("bfloat16")
+    bf16 = torch.autocast(device.type, dtype=torch.bfloat16)
     for arch in sizes.archs:
         if budget.left() < 15:
             table.add(check="push_probe_gap_bf16", model=arch, status="skipped: time budget")
@@ -422,22 +429,50 @@ def check_push_gap(table: Table, sizes: Sizes, tokenizer, device: torch.device, 
         try:
             policy = arch_model(arch, tokenizer, device, torch.float32, sizes.toy)
             engine_model = arch_model(arch, tokenizer, device, torch.bfloat16, sizes.toy, seed=1)
+            copy = arch_model(arch, tokenizer, device, torch.bfloat16, sizes.toy, seed=2)
             probe = probe_tokens(policy.config.vocab_size)
             norm = policy.model.norm.weight.detach().clone()
             for scale in (1.0, 16.0):
                 with torch.no_grad():
                     policy.model.norm.weight.copy_(norm * scale)
                     spread = float(policy(input_ids=torch.tensor([probe], device=device)).logits.float().std())
+                state = {k: v.detach().to(torch.bfloat16) for k, v in policy.state_dict().items()}
                 with LocalEngine(engine_model, tokenizer, max_num_seqs=4) as engine:
-                    state = {k: v.detach().to(torch.bfloat16) for k, v in policy.state_dict().items()}
                     push_s = engine.update_weights(state, 1)  # what Consumer.engine_state_dict pushes
-                    gaps = PushCheck(policy, probe, atol=atol).after_push(engine, 1, push_s)
-                gap = max(gaps.values())
-                table.add(check="push_probe_gap_bf16", model=arch, dtype="bfloat16 engine / float32 trainer",
-                          value=f"{gap:.3g}", tolerance=atol, passed=gap <= atol, status="ok",
-                          detail=f"final norm x{scale:g}: logit std {spread:.3g}; {len(probe) - 1} probe log-probs; "
-                                 f"push {push_s:.3f}s")
-            del policy, engine_model
+                    (engine_lp,) = engine.probe_logprobs(probe).values()
+                copy.load_state_dict(state)
+                with bf16:
+                    autocast_lp = model_logprobs(policy, probe)
+                refs = {"float32": model_logprobs(policy, probe), "float32 under bf16 autocast": autocast_lp,
+                        "pushed bf16 weights": model_logprobs(copy, probe)}
+                for ref_name, ref in refs.items():
+                    gap = float(abs(engine_lp - ref).max())
+                    table.add(check="push_probe_gap_bf16", model=arch, dtype="bfloat16 engine", reference=ref_name,
+                              value=f"{gap:.3g}", tolerance=atol, passed=gap <= atol, status="ok (measured)",
+                              detail=f"final norm x{scale:g}: logit std {spread:.3g}; {len(probe) - 1} probe "
+                                     f"log-probs; push {push_s:.3f}s")
+                # what a push that did not arrive leaves: every weight moved by lr (an Adam step's size)
+                before32 = refs["float32"]
+                saved = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+                for lr in (1e-6, 1e-5):
+                    g = torch.Generator(device=device).manual_seed(0)
+                    with torch.no_grad():
+                        for p in policy.parameters():
+                            p.add_(lr * torch.sign(torch.randn(p.shape, generator=g, device=device)))
+                    moved = {k: v.detach().to(torch.bfloat16) for k, v in policy.state_dict().items()}
+                    changed = sum(int((moved[k] != state[k]).sum()) for k in state) / sum(v.numel() for v in state.values())
+                    signal32 = float(abs(model_logprobs(policy, probe) - before32).max())
+                    copy.load_state_dict(moved)
+                    signal16 = float(abs(model_logprobs(copy, probe) - refs["pushed bf16 weights"]).max())
+                    copy.load_state_dict(state)
+                    table.add(check="missed_push_signal", model=arch, dtype="float32 / bf16 weights", reference=f"lr {lr:g}",
+                              value=f"{signal32:.3g}", status="ok (measured)",
+                              detail=f"final norm x{scale:g}: probe change in fp32 {signal32:.3g}, on bf16-rounded weights "
+                                     f"{signal16:.3g}; bf16 weights changed {changed:.3%}")
+                    with torch.no_grad():
+                        for k, v in policy.state_dict().items():
+                            v.copy_(saved[k])
+            del policy, engine_model, copy
         except Exception as e:  # noqa: BLE001
             table.add(check="push_probe_gap_bf16", model=arch, passed=False, status=failure(e))
         if device.type == "cuda":
@@ -464,7 +499,9 @@ def step_correctness(args, sizes: Sizes, device: torch.device, budget: Budget, t
         on_cpu = run_config(runs / "cpu", tok_dir, s.run_preset, "cpu", "float64", "sync-separated", **common)
         on_dev = run_config(runs / "dev", tok_dir, s.run_preset, dev, "float64", "sync-separated", **common)
         train_runs([on_cpu, on_dev], fresh)
-        check_runs(table, f"{device.type}_run_equals_cpu_run", runs / "cpu", runs / "dev", 1e-8, s.run_preset,
+        # tokens identical; weights within 1e-5 (lr 3e-3): CUDA sums in another order, and AdamW's
+        # m / sqrt(v) turns round-off of a gradient that cancels to ~0 into a step of any size up to lr
+        check_runs(table, f"{device.type}_run_equals_cpu_run", runs / "cpu", runs / "dev", 1e-5, s.run_preset,
                    "float64")
     except Exception as e:  # noqa: BLE001
         table.add(check=f"{device.type}_run_equals_cpu_run", passed=False, status=failure(e))
