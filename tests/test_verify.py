@@ -71,3 +71,29 @@ def test_reference_copy_loads_the_pushed_weights(setup):
                                model_logprobs(policy, check.token_ids), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="needs the pushed state_dict"):
         check.after_push(engine, 2, 0.0)
+
+
+def test_half_precision_engine_is_checked_in_its_own_precision(tokenizer_dir):
+    """A bf16 engine against the float32 masters of a trained-like model (final norm x64: sharp
+    logits) differs by bf16's rounding alone, far above 0.1 (an H200 measured 0.58-1.29 at x16 on
+    Qwen2.5-0.5B/1.5B architectures): the check scores the probe on the pushed bf16 weights in bf16,
+    the engine's own arithmetic, so a push that arrived passes and one that did not still fails."""
+    model_cfg = ModelConfig(name_or_path="qwen2-micro", tokenizer=str(tokenizer_dir), device="cpu",
+                            dtype="bfloat16")
+    policy, _ = load_policy(model_cfg)
+    policy.float()  # the trainer's float32 masters (consumer.Consumer)
+    with torch.no_grad():
+        policy.model.norm.weight.mul_(64)
+    engine = make_engine(EngineConfig(backend="local", max_num_seqs=2), model_cfg)
+    probe = probe_tokens(policy.config.vocab_size)
+    pushed = {k: v.detach().to(torch.bfloat16) for k, v in policy.state_dict().items()}
+    engine.update_weights(pushed, 1)
+    (engine_lp,) = engine.probe_logprobs(probe).values()
+    assert np.abs(engine_lp - model_logprobs(policy, probe)).max() > 0.1, "bf16 rounding alone"
+    check = PushCheck.from_config(EngineConfig(), model_cfg, policy)
+    assert check.atol == 0.1 and next(check.reference.parameters()).dtype == torch.bfloat16
+    gaps = check.after_push(engine, 1, 0.0, pushed)
+    assert gaps[0] <= 1e-6, gaps
+    _step(policy, 4)  # version 2 is never pushed
+    with pytest.raises(EngineError, match=r"version 2 did not take"):
+        check.after_push(engine, 2, 0.0, {k: v.detach().to(torch.bfloat16) for k, v in policy.state_dict().items()})

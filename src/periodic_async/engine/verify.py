@@ -32,6 +32,14 @@ not the trainer's shows as a gap like any push that did not arrive (tests/test_l
 With `copy` the reference is the base built from the config (as the trainer built it) with the
 same adapters, loaded with each pushed adapter.
 
+Half precision (`model.dtype` bfloat16/float16): the engines hold the pushed half weights and
+compute in half, while the trainer keeps float32 masters. Half rounding alone moves a trained
+model's probe log-probs by more than any useful tolerance (an H200 measured 0.58 and 1.29 on
+Qwen2.5-0.5B/1.5B architectures with a trained LM's logit spread, docs/gpu.md), so the
+reference is a half copy of the pushed weights, scored in half: the engines' own arithmetic
+(the built-in engines then agree exactly). Its cost is one half-precision copy of the model on
+the trainer's device.
+
 Engines that cannot be probed return None and are skipped (logged once).
 """
 
@@ -100,7 +108,9 @@ class PushCheck:
     @classmethod
     def from_config(cls, engine_cfg, model_cfg, policy: torch.nn.Module, copy: bool = False) -> "PushCheck | None":
         """None with engine.verify_push=never. `copy`: check against a copy of `policy` built from
-        its config (loaded with the pushed weights at each check) instead of `policy` itself."""
+        its config (loaded with the pushed weights at each check, on the CPU) instead of `policy`
+        itself; a half-precision model.dtype always checks against such a copy, in that dtype, on
+        the policy's device."""
         if engine_cfg.verify_push == "never":
             return None
         atol = engine_cfg.verify_atol if engine_cfg.verify_atol is not None else default_atol(model_cfg.dtype)
@@ -113,10 +123,17 @@ class PushCheck:
             reference, _ = load_policy(dataclasses.replace(model_cfg, device="cpu"))
             if model_cfg.dtype in ("bfloat16", "float16"):  # scored in float32 (an exact upcast)
                 reference = reference.float()
-        elif copy:
+        elif copy or model_cfg.dtype in ("bfloat16", "float16"):
+            # Half precision: the engines hold the pushed half weights and compute in half, whose
+            # rounding alone moves a trained model's probe log-probs by far more than any atol
+            # (docs/gpu.md): score them the engines' way, on a half copy of the pushed weights.
             from transformers import AutoModelForCausalLM
 
-            reference = AutoModelForCausalLM.from_config(policy.config, dtype=torch.float32)
+            dtype = torch.float32 if model_cfg.dtype not in ("bfloat16", "float16") else getattr(torch, model_cfg.dtype)
+            device = "cpu" if copy else next(policy.parameters()).device  # copy: FSDP ranks' full weights
+            with torch.device(device):
+                reference = AutoModelForCausalLM.from_config(policy.config, dtype=dtype)
+            copy = True
         return cls(reference, probe_tokens(policy.config.vocab_size), atol, engine_cfg.verify_push, copy=copy)
 
     def due(self) -> bool:
@@ -144,7 +161,7 @@ class PushCheck:
             if is_lora(self.reference):
                 load_adapter(self.reference, {k: v.to(dtype) for k, v in state_dict.items()})
             else:
-                self.reference.load_state_dict({k: v.float() for k, v in state_dict.items()})
+                self.reference.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()})
         ref = model_logprobs(self.reference, self.token_ids)
         self.checks += 1
         gaps = {}
