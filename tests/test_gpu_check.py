@@ -178,7 +178,7 @@ def test_simulator_takes_the_checks_costs(toy_run, tmp_path):
                 max_num_seqs=16, micro_batch_tokens=256, shared_prompt=True)
     points, _ = plan([2, 4], 1e5, name, work, path)
     assert points and all(p.tokens_per_s > 0 for p in points)
-    # one slot count cannot give a and b: one clear line
+    # one slot count cannot give a and b: b is the example's, a the rest of the measured step
     one = tmp_path / "one"
     one.mkdir()
     shutil.copy(out / "trainer.csv", one)
@@ -188,8 +188,18 @@ def test_simulator_takes_the_checks_costs(toy_run, tmp_path):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(keep)
-    with pytest.raises(ValueError, match="one slot count only"):
-        load_gpu_check(one)
+    m1 = load_gpu_check(one)
+    (batcher,) = [r for r in keep if r["engine"] == "batcher"]
+    step_s = float(batcher["wall_s"]) / int(batcher["decode_steps"])
+    assert m1.decode_seq_s is None and m1.decode_slots == int(keep[0]["slots"]) and m1.decode_step_s == step_s
+    _, path1 = measured_device_file(m1, DEFAULT_COSTS, tmp_path / "measured1.yaml")
+    _, example = load_device_file(DEFAULT_COSTS)
+    _, measured = load_device_file(path1)
+    assert measured["mfu_decode"] == example["mfu_decode"] and "one slot count" in path1.read_text()
+    seq_s = 2 * m1.engine_params / (example["mfu_decode"] * m1.peak_tflops * 1e12)
+    weights_read = 2 * m1.engine_params / (m1.hbm_GBps * 1e9 * example["hbm_util"])
+    assert measured["decode_overhead_s"] == pytest.approx(max(0.0, step_s - seq_s * m1.decode_slots - weights_read),
+                                                          rel=1e-3, abs=1e-9)
 
 
 @pytest.mark.slow

@@ -327,10 +327,14 @@ class GpuMeasurements:
     engine_model: str
     engine_params: float
     decode_step_s: float
-    """a: a decode step's fixed cost (line through the step times at the slot counts measured)."""
-    decode_seq_s: float
-    """b: its cost per active sequence."""
+    """a: a decode step's fixed cost (line through the step times at the slot counts measured);
+    with one slot count measured, that step's whole time (`decode_slots`)."""
+    decode_seq_s: float | None
+    """b: its cost per active sequence; None when one slot count was measured (a line needs two):
+    `measured_device_file` then takes b from the example's mfu_decode."""
     source: str
+    decode_slots: int = 0
+    """The slot count of decode_step_s when decode_seq_s is None."""
 
     @property
     def label(self) -> str:
@@ -370,16 +374,16 @@ def load_gpu_check(directory: str | Path) -> GpuMeasurements:
     model, rows = max(by_model.items(), key=lambda kv: len({r["slots"] for r in kv[1]}))
     slots = np.array([_number(r, "slots", epath) for r in rows])
     step_s = np.array([_number(r, "wall_s", epath) / max(_number(r, "decode_steps", epath), 1.0) for r in rows])
-    if len(set(slots.tolist())) < 2:
-        raise ValueError(f"{epath}: the batcher was measured at one slot count only ({int(slots[0])}); "
-                         "a and b need two")
-    a, b = (float(x) for x in nnls(np.stack([np.ones_like(slots), slots], 1), step_s))
+    if len(set(slots.tolist())) < 2:  # a line needs two: b comes from the example (measured_device_file)
+        a, b, one = float(np.median(step_s)), None, int(slots[0])
+    else:
+        (a, b), one = (float(x) for x in nnls(np.stack([np.ones_like(slots), slots], 1), step_s)), 0
     return GpuMeasurements(
         gpu=t["gpu"], commit=t.get("commit", ""), peak_tflops=_number(t, "peak_tflops", tpath),
         hbm_GBps=_number(t, "hbm_gbps", tpath), memory_GB=_number(t, "memory_gb", tpath), train_model=t["model"],
         train_params=_number(t, "params", tpath), train_token_s=1.0 / _number(t, "tokens_per_s", tpath),
         engine_model=model, engine_params=_number(rows[0], "params", epath), decode_step_s=a, decode_seq_s=b,
-        source=str(d))
+        source=str(d), decode_slots=one)
 
 
 def measured_device_file(m: GpuMeasurements, example: str | Path, out: str | Path) -> tuple[str, Path]:
@@ -391,23 +395,30 @@ def measured_device_file(m: GpuMeasurements, example: str | Path, out: str | Pat
         decode_overhead_s  a - 2N bytes / (HBM * hbm_util)  (>= 0; the engine's per-step cost)
     Datasheet: peak and HBM bandwidth (the check's table); memory: what torch reports. Taken
     from `example` (not measured): hbm_util, the other assumptions, and the link bandwidths of
-    its first device (sync_GBps, host_link_GBps)."""
+    its first device (sync_GBps, host_link_GBps). With one slot count measured (decode_seq_s
+    None), b is the example's (2N / (mfu_decode * peak)) and a the measured step less b * slots."""
     devices, assumptions = load_device_file(example)
     links = next(iter(devices.values()))
     peak = m.peak_tflops * 1e12
     u = dict(assumptions)
     u["mfu_train"] = float(f"{8 * m.train_params / (m.train_token_s * peak):.4g}")
-    if m.decode_seq_s > 0:  # else (no growth with the slots measured) the example's
-        u["mfu_decode"] = float(f"{2 * m.engine_params / (m.decode_seq_s * peak):.4g}")
+    step_s, seq_s = m.decode_step_s, m.decode_seq_s
+    if seq_s is None:  # one slot count: the example's per-sequence cost, the rest of the step is fixed
+        seq_s = 2 * m.engine_params / (u["mfu_decode"] * peak)
+        step_s = m.decode_step_s - seq_s * m.decode_slots
+    elif seq_s > 0:  # else (no growth with the slots measured) the example's
+        u["mfu_decode"] = float(f"{2 * m.engine_params / (seq_s * peak):.4g}")
     weights_read = 2 * m.engine_params / (m.hbm_GBps * 1e9 * u["hbm_util"])
-    u["decode_overhead_s"] = float(f"{max(0.0, m.decode_step_s - weights_read):.4g}")
+    u["decode_overhead_s"] = float(f"{max(0.0, step_s - weights_read):.4g}")
     name = f"{m.gpu} (measured)"
     spec = {"peak_tflops": m.peak_tflops, "hbm_GBps": m.hbm_GBps, "memory_GB": m.memory_GB,
             "sync_GBps": links["sync_GBps"], "host_link_GBps": links["host_link_GBps"]}
     header = (f"# MEASURED on one {m.gpu} by scripts/gpu_check.sh (commit {m.commit}; {m.source}):\n"
               f"#   trainer {m.train_model}: {1 / m.train_token_s:.0f} packed tokens/s (policy + reference)\n"
-              f"#   engine {m.engine_model}: decode step {m.decode_step_s * 1e3:.3g} ms + {m.decode_seq_s * 1e3:.3g} ms"
-              f" per sequence\n"
+              + (f"#   engine {m.engine_model}: decode step {m.decode_step_s * 1e3:.3g} ms + "
+                 f"{m.decode_seq_s * 1e3:.3g} ms per sequence\n" if m.decode_seq_s is not None else
+                 f"#   engine {m.engine_model}: decode step {m.decode_step_s * 1e3:.3g} ms at {m.decode_slots} slots "
+                 f"(one slot count: mfu_decode is the example's)\n") +
               f"# -> mfu_train, mfu_decode, decode_overhead_s below; peak, HBM: datasheet; every other\n"
               f"#    figure is the illustrative assumption of {Path(example).name}. Written by\n"
               f"#    periodic_async.scale.calibrate.measured_device_file; simulations from it are SIMULATED.\n")
