@@ -22,7 +22,8 @@ predictions (labelled simulated) for 16-64 accelerators.
    from `bash scripts/gpu_check.sh results/gpu`), the same predictions again on that GPU with
    its measured costs (periodic_async.scale.calibrate.load_gpu_check, measured_device_file;
    the device file it writes: <results>/device_costs.measured.yaml). Every simulated row says
-   where its costs came from (column `costs`). --predictions-only skips parts 1 and 2.
+   where its costs came from (column `costs`). --predictions-only skips parts 1 and 2 (and keeps
+   the CPU points already in scaling_simulated.csv, with their commit).
 
 Writes <results>/scaling_measured.csv, <results>/scaling_simulated.csv (every row kind=simulated)
 and <figures>/scaling.png.
@@ -31,6 +32,7 @@ and <figures>/scaling.png.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import statistics
@@ -221,7 +223,12 @@ def main(argv=None) -> None:
     else:
         print(f"[scaling] no GPU check in {gpu} (trainer.csv, engine.csv): example costs only")
     commit = git_commit()
-    write_csv(out / "scaling_simulated.csv", [{**r, "git_commit": commit} for r in sim_rows])
+    sim_rows = [{**r, "git_commit": commit} for r in sim_rows]
+    if args.predictions_only and (out / "scaling_simulated.csv").is_file():  # keep the CPU points, their commit
+        with (out / "scaling_simulated.csv").open() as f:
+            sim_rows = [{**r, "cpu": r.get("cpu", "")} for r in csv.DictReader(f)
+                        if r["section"] == "cpu-measured-point"] + sim_rows
+    write_csv(out / "scaling_simulated.csv", sim_rows)
     if args.predictions_only:
         print(f"[scaling] wrote {out}/scaling_simulated.csv (predictions only)")
         return
