@@ -75,8 +75,8 @@ def test_reference_copy_loads_the_pushed_weights(setup):
 
 def test_half_precision_engine_is_checked_in_its_own_precision(tokenizer_dir):
     """A bf16 engine against the float32 masters of a trained-like model (final norm x64: sharp
-    logits) differs by bf16's rounding alone, far above 0.1 (an H200 measured 0.58-1.29 at x16 on
-    Qwen2.5-0.5B/1.5B architectures): the check scores the probe on the pushed bf16 weights in bf16,
+    logits) differs by bf16's rounding alone, far above 0.1 (as on an H200 at x16, docs/gpu.md): the
+    check scores the probe on the pushed bf16 weights in bf16,
     the engine's own arithmetic, so a push that arrived passes and one that did not still fails."""
     model_cfg = ModelConfig(name_or_path="qwen2-micro", tokenizer=str(tokenizer_dir), device="cpu",
                             dtype="bfloat16")

@@ -34,8 +34,8 @@ same adapters, loaded with each pushed adapter.
 
 Half precision (`model.dtype` bfloat16/float16): the engines hold the pushed half weights and
 compute in half, while the trainer keeps float32 masters. Half rounding alone moves a trained
-model's probe log-probs by more than any useful tolerance (an H200 measured 0.58 and 1.29 on
-Qwen2.5-0.5B/1.5B architectures with a trained LM's logit spread, docs/gpu.md), so the
+model's probe log-probs by more than any useful tolerance (measured on an H200 with a trained
+LM's logit spread: docs/gpu.md, results/gpu/correctness.csv), so the
 reference is a half copy of the pushed weights, scored in half: the engines' own arithmetic
 (the built-in engines then agree exactly). Its cost is one half-precision copy of the model on
 the trainer's device.
