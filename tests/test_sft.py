@@ -28,3 +28,36 @@ def test_short_sft_beats_untrained_model(tokenizer_dir, tmp_path):
     assert saved["accuracy_after"] == summary["accuracy_after"]
     model, tok = load_policy(cfg.model.__class__(name_or_path=str(tmp_path / "sft")))
     assert tok.eos_token_id is not None and model.config.vocab_size == len(tok)
+
+
+def test_sft_with_lora_saves_the_merged_model_and_its_adapter(tokenizer_dir, tmp_path):
+    """model.lora.enabled: only the adapter trains; the output directory holds the base with the
+    adapter merged in (what `model.name_or_path` of an RL run loads), scoring as the trained
+    adapter did, and the adapter itself in adapter/ (PEFT's format, which PeftModel loads)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sft"
+    cfg = load_config(SFTRunConfig, None, [
+        f"model.tokenizer={tokenizer_dir}", "model.dtype=float64", "model.lora.enabled=true", "model.lora.rank=4",
+        "data.min_steps=1", "data.max_steps=1", "data.max_operand=4", "data.num_train=200", "data.num_eval=4",
+        "sft.max_steps=3", "sft.batch_size=4", "sft.lr=1e-2", "sft.warmup_steps=1", "sft.threads=1",
+        f"sft.output_dir={out}", "logging.wandb_mode=disabled"])
+    threads = torch.get_num_threads()
+    try:
+        run_sft(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    base, _ = load_policy(cfg.model.__class__(name_or_path=cfg.model.name_or_path, tokenizer=str(tokenizer_dir),
+                                              dtype="float64"))
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    adapted = PeftModel.from_pretrained(base, out / "adapter")
+    ids = torch.tensor([[5, 9, 17, 33, 2, 41, 7]])
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, adapted(input_ids=ids).logits
+        plain = adapted.get_base_model()
+        with adapted.disable_adapter():
+            c = plain(input_ids=ids).logits
+    # 1e-6: PeftModel.from_pretrained builds its LoRA layers in float32 on this float64 base
+    assert (a - b).abs().max() < 1e-6, "the merged model scores as base + adapter"
+    assert (a - c).abs().max() > 1e-6, "the adapter trained"

@@ -4,7 +4,9 @@ A randomly initialised preset cannot solve anything, so every RL reward would be
 This trains it on worked solutions of the training problems (loss on the response tokens
 only, through the same chat template the RL prompts use) for a few CPU minutes, reports
 held-out greedy accuracy before and after, and saves a standard Hugging Face model
-directory (model + tokenizer) that `model.name_or_path` can point at.
+directory (model + tokenizer) that `model.name_or_path` can point at. With `model.lora.enabled`
+only the adapter trains; the directory then holds the base with the adapter merged in, and
+the adapter alone in adapter/ (PEFT's format).
 
     python -m periodic_async sft --config experiments/sft.yaml [section.key=value ...]
 """
@@ -22,7 +24,7 @@ import torch
 from periodic_async.config import SFTRunConfig, save_run_info
 from periodic_async.data import encode_chats, few_shot_examples, load_examples, prompt_messages
 from periodic_async.evaluate import evaluate
-from periodic_async.model import load_policy, num_parameters
+from periodic_async.model import is_lora, load_policy, num_parameters
 from periodic_async.reward import make_accuracy
 from periodic_async.trace import MetricsLogger
 
@@ -100,6 +102,9 @@ def run_sft(cfg: SFTRunConfig) -> dict:
             logger.log({"sft/loss": loss.item(), "sft/lr": lr, "sft/elapsed_s": time.time() - t0}, step=step)
     train_s = time.time() - t0
     after = evaluate(model, tokenizer, eval_examples, shots, data=cfg.data, accuracy_fn=accuracy_fn)
+    if is_lora(model):  # the adapter in PEFT's format, then the merged model the RL runs load
+        model.save_pretrained(out / "adapter")
+        model = model.merge_and_unload()
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     summary = {"model": cfg.model.name_or_path, "parameters": num_parameters(model), "steps": step,
