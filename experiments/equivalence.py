@@ -14,6 +14,9 @@ seed in float64 (the paper, Sec. method point 4), and the negative control that 
                  identical until a float32 summation-order difference in the trainer flips a
                  token, and the weight gap per iteration is float32 rounding.
     real-model-two-steps   its negative control.
+    real-model-lora, real-model-lora-two-steps   the same two with LoRA adapters (rank 16 on every
+                 projection, lr 1e-4): the engines serve each pushed adapter (vLLM's LoRA requests on
+                 the Ray worker); the weights compared are the merged checkpoints.
 The runs stop after every iteration and resume from their checkpoint (resuming continues the
 same trajectory: tests/test_pipeline.py), so the weights are compared after each iteration.
 The control uses the in-process engine, whose lock-step workers give a completion order that
@@ -43,9 +46,12 @@ MODES = ["sync-separated", "periodic-async"]
 REAL_MODEL = ["model.name_or_path=artifacts/smollm2-135m-instruct", "model.dtype=float32", "data.few_shot=0",
               "algorithm.group_size=4", "algorithm.prompts_per_iteration=4", "engine.max_tokens=32",
               "engine.max_num_seqs=8", "algorithm.micro_batch_tokens=512", "trainer.iterations=3"]
+LORA = ["model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=32", "algorithm.lr=1e-4"]
 CASES = {"equivalent": ([], "ray"), "two-steps": (["algorithm.optimizer_steps_per_iteration=2"], "local"),
          "real-model": (REAL_MODEL, "ray"),
-         "real-model-two-steps": (REAL_MODEL + ["algorithm.optimizer_steps_per_iteration=2"], "local")}
+         "real-model-two-steps": (REAL_MODEL + ["algorithm.optimizer_steps_per_iteration=2"], "local"),
+         "real-model-lora": (REAL_MODEL + LORA, "ray"),
+         "real-model-lora-two-steps": (REAL_MODEL + LORA + ["algorithm.optimizer_steps_per_iteration=2"], "local")}
 COLUMNS = ["case", "iteration", "samples", "identical_samples", "identical_fraction", "max_abs_weight_diff",
            "max_abs_weight_change", "trained_in_other_order", "git_commit", "cpu"]
 
