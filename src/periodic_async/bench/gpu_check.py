@@ -562,7 +562,7 @@ class _Borrowed:
 def backends_for(device: torch.device, table: Table, check: str | None = None) -> list[str]:
     """Attention back-ends that run on `device`: FlexAttention only on CUDA (reported skipped elsewhere)."""
     if device.type == "cuda":
-        return ["split", "flex", "dense"]
+        return ["flex", "split", "dense"]  # flex first: the default on CUDA, and the goal's row
     if check:
         table.add(check=check, backend="flex", status="skipped: FlexAttention runs on CUDA only here")
     else:
