@@ -160,7 +160,7 @@ def gpu_spec(name: str) -> tuple[float | None, float | None]:
 
 def provenance(device: torch.device) -> dict:
     """The columns every row starts with."""
-    from periodic_async.config import cpu_name, git_commit
+    from periodic_async.records import cpu_name, git_commit
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
