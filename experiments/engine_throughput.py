@@ -47,11 +47,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from periodic_async.bench.protocol import System, measure, write_csv  # noqa: E402
-from periodic_async.config import DataConfig, EngineConfig, ModelConfig, git_commit  # noqa: E402
+from periodic_async.config import DataConfig, EngineConfig, ModelConfig  # noqa: E402
 from periodic_async.data import make_synthetic, prompt_messages  # noqa: E402
 from periodic_async.data.prompts import encode_chat  # noqa: E402
 from periodic_async.data.tokenizer import ensure_tokenizer  # noqa: E402
 from periodic_async.engine import Request, SamplingParams, assign_workers  # noqa: E402
+from periodic_async.records import git_commit  # noqa: E402
 
 REAL_MODEL = "artifacts/smollm2-135m-instruct"
 ENGINES = ("builtin", "vllm", "hf")

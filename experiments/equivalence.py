@@ -38,7 +38,8 @@ from pathlib import Path
 
 from periodic_async.bench.analysis import compare_iteration
 from periodic_async.bench.plots import plot_equivalence
-from periodic_async.config import RunConfig, cpu_name, git_commit, load_config
+from periodic_async.config import RunConfig, load_config
+from periodic_async.records import cpu_name, git_commit
 from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent

@@ -44,8 +44,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    from periodic_async.config import RunConfig, cpu_name, git_commit, load_config
+    from periodic_async.config import RunConfig, load_config
     from periodic_async.pipeline import run
+    from periodic_async.records import cpu_name, git_commit
 
     extra = (["data.num_train=1000"] if args.quick else []) + list(args.overrides)
     if not Path(load_config(RunConfig, HERE / "fig1_timeline.yaml", extra).model.name_or_path).is_dir():

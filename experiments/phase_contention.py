@@ -34,8 +34,8 @@ import sys
 from pathlib import Path
 
 from periodic_async.bench.protocol import write_csv
-from periodic_async.config import cpu_name, git_commit
 from periodic_async.parallel.affinity import available_cores
+from periodic_async.records import cpu_name, git_commit
 
 TRAINER = r'''
 import os, sys, time, torch

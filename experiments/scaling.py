@@ -44,9 +44,10 @@ from pathlib import Path
 from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict, write_csv
 from periodic_async.scale.calibrate import (MeasuredRun, fit_costs, load_gpu_check, load_run, measured_device_file,
                                            simulate_measured)
-from periodic_async.config import RunConfig, git_commit, load_config
+from periodic_async.config import RunConfig, load_config
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.pipeline import run
+from periodic_async.records import git_commit
 from periodic_async.scale.plan import DEFAULT_COSTS, plan
 from periodic_async.bench.plots import plot_scaling
 

@@ -143,8 +143,9 @@ def measure_point(model, P, G, R, backends, repeats, device, seed=0):
 
 
 def main(argv=None) -> None:
-    from periodic_async.config import ModelConfig, cpu_name, git_commit
+    from periodic_async.config import ModelConfig
     from periodic_async.model import build_model, resolve_device
+    from periodic_async.records import cpu_name, git_commit
     from periodic_async.trace import log_experiment
     from periodic_async.data.tokenizer import ensure_tokenizer
 

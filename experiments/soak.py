@@ -72,7 +72,7 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True, name="soak-sampler")
         self.leg, self.run_dir, self.engine, self.csv_path = leg, run_dir, engine, csv_path
         self.every, self.kill_at, self.t0 = every, kill_at, t0
-        from periodic_async.config import cpu_name, git_commit
+        from periodic_async.records import cpu_name, git_commit
 
         self.commit, self.cpu = git_commit(), cpu_name()
         self.stop = threading.Event()
@@ -197,7 +197,7 @@ def main() -> None:
 def report(args, csv_path: Path, summary_path: Path, wall: float) -> None:
     """Check the run went through (every iteration logged once, one restart of the killed worker),
     then write and print the summary."""
-    from periodic_async.config import cpu_name, git_commit
+    from periodic_async.records import cpu_name, git_commit
     from periodic_async.trace import read_jsonl
 
     steps = [m["step"] for m in read_jsonl(Path(args.runs) / "metrics.jsonl")]

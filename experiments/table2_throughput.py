@@ -38,13 +38,14 @@ import yaml
 from periodic_async.bench.plots import plot_table2
 from periodic_async.bench.protocol import SharedEngines, System, flatten, measure, write_csv
 from periodic_async.bench.trl import export_model, run_trl, trl_settings
-from periodic_async.config import RunConfig, git_commit, load_config
+from periodic_async.config import RunConfig, load_config
 from periodic_async.data import few_shot_examples, iteration_prompts, load_examples, prompt_messages
 from periodic_async.data.prompts import encode_chat
 from periodic_async.data.tokenizer import ensure_tokenizer
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.model import PRESETS
 from periodic_async.pipeline import run
+from periodic_async.records import git_commit
 
 HERE = Path(__file__).resolve().parent
 IGNORE = ("trainer.output_dir", "logging.")  # not settings of the measured system

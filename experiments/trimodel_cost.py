@@ -30,9 +30,10 @@ import torch
 
 from periodic_async import grpo
 from periodic_async.batching import MicroBatch, GroupSlice
-from periodic_async.config import AlgorithmConfig, ModelConfig, cpu_name, git_commit
+from periodic_async.config import AlgorithmConfig, ModelConfig
 from periodic_async.group import Group
 from periodic_async.model import build_model, num_parameters
+from periodic_async.records import cpu_name, git_commit
 from periodic_async.shared_prompt import token_logprobs
 from periodic_async.data.tokenizer import ensure_tokenizer
 from periodic_async.trace import log_experiment

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from periodic_async.config import RunConfig, cpu_name, git_commit, load_config
+from periodic_async.config import RunConfig, load_config
 from periodic_async.engine import make_engine
 from periodic_async.model import load_policy, num_parameters
+from periodic_async.records import cpu_name, git_commit
 
 PATHS = ("object_store", "collective")
 

@@ -76,7 +76,7 @@ def main() -> None:
             w.writerows(rows)
         return
     sys.path.insert(0, str(ROOT / "src"))
-    from periodic_async.config import cpu_name, git_commit
+    from periodic_async.records import cpu_name, git_commit
 
     commit = git_commit()
     with tempfile.TemporaryDirectory() as tmp:

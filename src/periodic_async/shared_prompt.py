@@ -34,19 +34,17 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, get_args
 
 import torch
 
 from periodic_async.attention import ATTN_IMPLEMENTATION, flex_block_mask, split_plan
+from periodic_async.config import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
 Segment = tuple[Sequence[int], Sequence[Sequence[int]]]
 """(prompt ids, [response ids, ...]): one group, or part of one, to pack."""
-
-BACKENDS = ("auto", "dense", "split", "flex")
-
 
 @dataclass
 class PackedBatch:
@@ -137,10 +135,10 @@ def _warn_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
-def resolve_backend(backend: str, device: torch.device | str) -> str:
+def resolve_backend(backend: AttentionBackend, device: torch.device | str) -> str:
     """'auto' -> flex on CUDA, split elsewhere; flex off CUDA falls back to split (warned once)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r}: expected one of {BACKENDS}")
+    if backend not in get_args(AttentionBackend):
+        raise ValueError(f"attention backend {backend!r}: expected one of {get_args(AttentionBackend)}")
     on_cuda = torch.device(device).type == "cuda"
     if backend == "auto":
         return "flex" if on_cuda else "split"

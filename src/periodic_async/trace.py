@@ -123,7 +123,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 def _redacted_argv():
     """W&B records the command line (`sys.argv`) with each run: show it the line with every
     secret environment value replaced (a token passed as a `key=value` override, say)."""
-    from periodic_async.config import redact_secrets
+    from periodic_async.records import redact_secrets
 
     argv = sys.argv
     sys.argv = redact_secrets(list(argv))
@@ -152,7 +152,7 @@ class MetricsLogger:
                 wandb = None
             if wandb is not None:
                 os.environ.setdefault("WANDB_SILENT", "true")
-                from periodic_async.config import redact_secrets  # W&B saves the config: no tokens in it
+                from periodic_async.records import redact_secrets  # W&B saves the config: no tokens in it
 
                 cfg = redact_secrets(dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config)
                 group = group or getattr(getattr(config, "logging", None), "wandb_group", "") or \
@@ -196,7 +196,7 @@ def log_experiment(name: str, csv_paths: list[str | Path], figure_paths: list[st
     os.environ.setdefault("WANDB_SILENT", "true")
     csvs = [Path(p) for p in csv_paths if Path(p).is_file()]
     figures = [Path(p) for p in figure_paths if Path(p).is_file()]
-    from periodic_async.config import redact_secrets
+    from periodic_async.records import redact_secrets
 
     with _redacted_argv():
         run = wandb.init(project=project, name=f"{name}-summary", group=name, job_type="summary", mode=mode,

@@ -56,7 +56,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, get_args
 
 import torch
 
@@ -160,7 +160,7 @@ def gpu_spec(name: str) -> tuple[float | None, float | None]:
 
 def provenance(device: torch.device) -> dict:
     """The columns every row starts with."""
-    from periodic_async.config import cpu_name, git_commit
+    from periodic_async.records import cpu_name, git_commit
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -875,6 +875,8 @@ STEP_FUNCTIONS = {"correctness": step_correctness, "attention": step_attention, 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from periodic_async.config import AttentionBackend
+
     ap = argparse.ArgumentParser(prog="python -m periodic_async.bench.gpu_check", description=__doc__.split("\n")[0])
     ap.add_argument("step", choices=STEPS)
     ap.add_argument("--out", type=Path, required=True, help="the CSVs go here (<step>.csv)")
@@ -884,7 +886,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=600.0, help="this step's deadline; what does not fit is skipped")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: GPU_SPECS by name)")
     ap.add_argument("--hbm-gbps", type=float, default=None, help="HBM bandwidth (default: GPU_SPECS by name)")
-    ap.add_argument("--trainer-backend", default="split", choices=("split", "flex", "dense", "auto"),
+    ap.add_argument("--trainer-backend", default="split", choices=get_args(AttentionBackend),
                     help="attention back-end of the trainer step (the attention step compares them)")
     args = ap.parse_args(argv)
     args.work = args.work or args.out / ".work"

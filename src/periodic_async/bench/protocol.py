@@ -38,8 +38,8 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from periodic_async.config import cpu_name, git_commit
 from periodic_async.pipeline import build_engine
+from periodic_async.records import cpu_name, git_commit
 
 
 @dataclass
@@ -218,7 +218,7 @@ def release_memory() -> tuple[float, float]:
 
 STAMP = ("git_commit", "cpu")
 """The columns `write_csv` adds to every row that lacks them: the tree and the machine (CPU model,
-vector unit, cores: `config.cpu_name`) that measured it."""
+vector unit, cores: `records.cpu_name`) that measured it."""
 
 
 def stamp(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -47,10 +47,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import get_args
 
 import numpy as np
 import torch
 
+from periodic_async.config import HalfDType, VerifyPush
 from periodic_async.engine.base import Engine, EngineError, load_adapter
 from periodic_async.model import is_lora
 
@@ -84,7 +86,7 @@ def model_logprobs(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
 
 def default_atol(dtype: str) -> float:
     """`engine.verify_atol` when unset: 1e-3 in float32/float64, 0.1 in half precision."""
-    return 0.1 if dtype in ("bfloat16", "float16") else 1e-3
+    return 0.1 if dtype in get_args(HalfDType) else 1e-3
 
 
 class PushCheck:
@@ -94,9 +96,9 @@ class PushCheck:
     trainer ranks: the policy's forward would be a collective of all ranks); with LoRA, the
     pushed adapter into a copy of the base with the same adapters."""
 
-    def __init__(self, reference: torch.nn.Module, token_ids: list[int], atol: float, when: str = "every",
+    def __init__(self, reference: torch.nn.Module, token_ids: list[int], atol: float, when: VerifyPush = "every",
                  copy: bool = False) -> None:
-        if when not in ("every", "first", "never"):
+        if when not in get_args(VerifyPush):
             raise ValueError(f"engine.verify_push={when!r}: expected every, first or never")
         self.reference, self.token_ids, self.atol, self.when = reference, list(token_ids), atol, when
         self.copy = copy
@@ -121,15 +123,15 @@ class PushCheck:
             from periodic_async.model import load_policy
 
             reference, _ = load_policy(dataclasses.replace(model_cfg, device="cpu"))
-            if model_cfg.dtype in ("bfloat16", "float16"):  # scored in float32 (an exact upcast)
+            if model_cfg.dtype in get_args(HalfDType):  # scored in float32 (an exact upcast)
                 reference = reference.float()
-        elif copy or model_cfg.dtype in ("bfloat16", "float16"):
+        elif copy or model_cfg.dtype in get_args(HalfDType):
             # Half precision: the engines hold the pushed half weights and compute in half, whose
             # rounding alone moves a trained model's probe log-probs by far more than any atol
             # (docs/gpu.md): score them the engines' way, on a half copy of the pushed weights.
             from transformers import AutoModelForCausalLM
 
-            dtype = torch.float32 if model_cfg.dtype not in ("bfloat16", "float16") else getattr(torch, model_cfg.dtype)
+            dtype = torch.float32 if model_cfg.dtype not in get_args(HalfDType) else getattr(torch, model_cfg.dtype)
             device = "cpu" if copy else next(policy.parameters()).device  # copy: FSDP ranks' full weights
             with torch.device(device):
                 reference = AutoModelForCausalLM.from_config(policy.config, dtype=dtype)

@@ -53,15 +53,14 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, get_args
 
 import numpy as np
 import yaml
 
+from periodic_async.config import SyncMode
 from periodic_async.scale.simulate import (Costs, Deployment, IterationResult, MicroBatches, Workload, engine_chunks,
                                      simulate_iteration)
-
-SYNC_MODES = ("sync-separated", "sync-colocated")
 
 
 @dataclass(frozen=True)
@@ -182,7 +181,7 @@ def fit_costs(runs: Sequence[MeasuredRun], host_cores: float | None = None,
     """Fit `Costs` to measured runs (see the module docstring). host_cores: the cores the runs
     shared (None: each worker had its own devices); fit_prefill: fit p too (needs runs whose
     prompt lengths vary independently of their response lengths, or it is not identified)."""
-    sync_runs = [r for r in runs if r.deployment.mode in SYNC_MODES]
+    sync_runs = [r for r in runs if r.deployment.mode in get_args(SyncMode)]
     if not sync_runs:
         raise ValueError("calibration needs at least one synchronous run (phases measured alone)")
     solo = [r for r in sync_runs if r.deployment.inference_devices // r.devices_per_engine == 1] or sync_runs

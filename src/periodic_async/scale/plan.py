@@ -17,10 +17,11 @@ import argparse
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, get_args
 
+from periodic_async.config import OnPolicyMode, SyncMode
 from periodic_async.scale.calibrate import DeviceCosts, colocate_switch_s, device_costs, load_device_file
-from periodic_async.scale.simulate import MODES, Deployment, LengthDist, Workload, run_tokens_per_s, simulate_run
+from periodic_async.scale.simulate import Deployment, LengthDist, Workload, run_tokens_per_s, simulate_run
 
 DEFAULT_COSTS = Path(__file__).resolve().parents[3] / "experiments" / "device_costs.example.yaml"
 
@@ -81,7 +82,7 @@ def best_split(mode: str, total: int, dc: DeviceCosts, spec: dict, params: float
 
 
 def plan(totals: Sequence[int], params: float, device: str, workload_args: dict, costs_path: str | Path = DEFAULT_COSTS,
-         modes: Sequence[str] = MODES, iterations: int = 1, seed: int = 0,
+         modes: Sequence[str] = get_args(OnPolicyMode), iterations: int = 1, seed: int = 0,
          devices_per_engine: int | None = None) -> tuple[list[PlanPoint], DeviceCosts]:
     """All simulated points for every total in `totals` and every mode. workload_args: batch,
     group, prompt_tokens, response_median, response_sigma, max_tokens, max_num_seqs,
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> list[PlanPoint]:
                   f"{p.iteration_s:>11.1f} {p.generate_s:>8.1f} {p.after_generation_s:>7.1f}")
     best = {(p.devices, p.mode): p.tokens_per_s for p in points if p.best}
     top = max(totals)
-    for base in ("sync-colocated", "sync-separated"):
+    for base in get_args(SyncMode):
         if (top, base) in best:
             beat = [n for n in sorted(totals) if best.get((n, "periodic-async"), 0) > best[(top, base)]]
             print(f"simulated: periodic-async beats {base} on {top} devices from "

@@ -42,11 +42,11 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, get_args
 
 import numpy as np
 
-MODES = ("sync-colocated", "sync-separated", "periodic-async")
+from periodic_async.config import OnPolicyMode
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class Deployment:
-    mode: str
+    mode: OnPolicyMode
     inference_devices: int
     """Devices of the engines (sync-colocated: all the devices, which also train)."""
     train_devices: int
@@ -265,8 +265,8 @@ def simulate_iteration(lengths_BxG: Sequence[Sequence[int]], prompt_tokens_B: Se
     lengths_BxG: response tokens R of every sample, prompts in dataset order; prompt_tokens_B:
     P of each prompt. Returns the simulated `IterationResult`."""
     mode, w, c = deployment.mode, workload, costs
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+    if mode not in get_args(OnPolicyMode):
+        raise ValueError(f"mode={mode!r}: expected one of {get_args(OnPolicyMode)}")
     B = len(lengths_BxG)
     colocated = mode == "sync-colocated"
     infer = deployment.devices if colocated else deployment.inference_devices

@@ -1,0 +1,107 @@
+"""What a run records about itself, so that every number can be traced to the code, the machine and
+the settings that produced it (the paper's comparisons are only as good as their provenance).
+
+A run writes its resolved config (`config.yaml`) and its `run_info.json` (the git commit, then what
+the pipeline adds: the model path a hub id resolved to, the cores each process ran on) beside its
+outputs (`save_run_info`, `update_run_info`); every measured CSV row carries `git_commit` and the
+CPU (`cpu_name`, bench/protocol.py's `stamp`). Guarantees:
+
+- the commit is read once per process (`git_commit`), so what the process writes itself (an
+  experiment's CSVs, rewritten before its last rows are stamped) never marks its own rows dirty;
+- no secret value is ever written: everything saved here, logged to W&B (trace.py) or put on the
+  command line W&B records passes through `redact_secrets`, which replaces the value of every
+  environment variable with a secret-looking name (*TOKEN*, *KEY*, *SECRET*, *PASSWORD*,
+  *CREDENTIAL*) by '<redacted>', even pasted inside a config value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import platform
+import re
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@functools.cache
+def git_commit() -> str:
+    """The git commit of the code this process runs (with '-dirty' when the tree had changes), or
+    'unknown'. Read once, at the first call, so that what the process writes itself (an experiment's
+    CSVs, rewritten before its last rows are stamped) never marks its own rows dirty."""
+    try:
+        here = Path(__file__).resolve().parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cpu_name(cores: bool = True) -> str:
+    """The CPU model, its widest vector unit and (with `cores`) the cores this process may use,
+    e.g. 'AMD EPYC (AVX-512; 2 cores)': recorded beside measured times, since CPUs of one core
+    count differ severalfold. No commas (it is a CSV field)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        info = ""
+    lines = info.splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    detail = f"{isa}; {n} cores" if cores else isa
+    return f"{model or platform.machine() or 'unknown'} ({detail})".replace(",", "")
+
+
+_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Values of the environment variables whose names look secret (*TOKEN*, *KEY*, *SECRET*,
+    *PASSWORD*, *CREDENTIAL*: WANDB_API_KEY, HF_TOKEN, ...), 8 characters or more, longest first."""
+    env = os.environ if environ is None else environ
+    return sorted({v for k, v in env.items() if _SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
+
+
+def redact_secrets(obj: Any, secrets: list[str] | None = None) -> Any:
+    """`obj` (nested dicts, lists and strings) with every secret environment value (`secret_values`)
+    replaced by '<redacted>': what a run writes never carries a token, even one pasted into a
+    config value (a cluster address with a password, say)."""
+    secrets = secret_values() if secrets is None else secrets
+    if isinstance(obj, str):
+        for v in secrets:
+            obj = obj.replace(v, REDACTED)
+        return obj
+    if isinstance(obj, dict):
+        return {redact_secrets(k, secrets): redact_secrets(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redact_secrets(v, secrets) for v in obj]
+    return obj
+
+
+def save_run_info(cfg: Any, out_dir: str | Path) -> Path:
+    """Write `config.yaml` (resolved) and `run_info.json` (git commit) into `out_dir`, both
+    through `redact_secrets`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(redact_secrets(dataclasses.asdict(cfg)), sort_keys=False))
+    (out / "run_info.json").write_text(json.dumps(redact_secrets({"git_commit": git_commit()}), indent=2))
+    return out
+
+
+def update_run_info(out_dir: str | Path, **fields: Any) -> None:
+    """Add `fields` to `run_info.json` in `out_dir` (written by `save_run_info`)."""
+    path = Path(out_dir) / "run_info.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps(redact_secrets({**info, **fields}), indent=2))
