@@ -39,10 +39,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict, write_csv
+from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict
+from periodic_async.bench.tables import write_csv
 from periodic_async.scale.calibrate import (MeasuredRun, fit_costs, load_gpu_check, load_run, measured_device_file,
                                            simulate_measured)
-from periodic_async.config import RunConfig, git_commit, load_config
+from periodic_async.config import RunConfig, load_config
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.pipeline import run
 from periodic_async.scale.plan import DEFAULT_COSTS, plan
@@ -220,8 +221,7 @@ def main(argv=None) -> None:
         sim_rows += predictions([name], totals, device_file, f"{m.label} ({gpu}, commit {m.commit})")
     else:
         print(f"[scaling] no GPU check in {gpu} (trainer.csv, engine.csv): example costs only")
-    commit = git_commit()
-    write_csv(out / "scaling_simulated.csv", [{**r, "git_commit": commit} for r in sim_rows])
+    write_csv(out / "scaling_simulated.csv", sim_rows)
     if args.predictions_only:
         print(f"[scaling] wrote {out}/scaling_simulated.csv (predictions only)")
         return
