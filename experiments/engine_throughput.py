@@ -12,6 +12,7 @@ length, 'long-tail' draws it from a lognormal (median half, a few up to 6x). Eng
     hf        static batches of max_num_seqs sequences (max_num_seqs / G prompts x G) through
               `model.generate`, each batch as long as its longest request; W workers are W
               processes (started once per model), each on the requests our dispatcher gives it
+              (periodic_async/bench/hf_generate.py: what it measures, why it is a fair peer)
 
 Each worker has 1 thread. Two models: a tiny preset (random weights, vocabulary 512) with 1 and
 2 workers, and the real model SmolLM2-135M-Instruct (`python -m periodic_async prepare-model
@@ -33,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import multiprocessing as mp
 import os
-import queue
 import statistics
 import time
 from pathlib import Path
@@ -46,13 +45,14 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from periodic_async.bench.protocol import System, measure, write_csv  # noqa: E402
+from periodic_async.bench.hf_generate import HFWorkers  # noqa: E402
+from periodic_async.bench.protocol import System, measure  # noqa: E402
+from periodic_async.bench.tables import write_csv  # noqa: E402
 from periodic_async.config import DataConfig, EngineConfig, ModelConfig  # noqa: E402
 from periodic_async.data import make_synthetic, prompt_messages  # noqa: E402
 from periodic_async.data.prompts import encode_chat  # noqa: E402
 from periodic_async.data.tokenizer import ensure_tokenizer  # noqa: E402
-from periodic_async.engine import Request, SamplingParams, assign_workers  # noqa: E402
-from periodic_async.records import git_commit  # noqa: E402
+from periodic_async.engine import Request, SamplingParams  # noqa: E402
 
 REAL_MODEL = "artifacts/smollm2-135m-instruct"
 ENGINES = ("builtin", "vllm", "hf")
@@ -69,82 +69,6 @@ def make_requests(tokenizer, n_prompts: int, group: int, dist: str, uniform_toke
     return [Request(f"{dist}-{i}", encode_chat(tokenizer, prompt_messages(ex)), group,
                     SamplingParams(max_tokens=m, ignore_eos=True), seed=i)
             for i, (ex, m) in enumerate(zip(examples, lengths))]
-
-
-def hf_worker(model_cfg, max_num_seqs, inbox, barrier, results):
-    """One baseline process: loads the model once, then for each request list it is sent runs
-    static batches through `model.generate` on 1 thread and reports the span it took."""
-    torch.set_num_threads(1)
-    from periodic_async.model import load_policy
-
-    model, tok = load_policy(model_cfg)
-    gen_cfg = copy.deepcopy(model.generation_config)
-    gen_cfg.eos_token_id = None  # ignore eos: every batch runs to its max_new_tokens
-    gen_cfg.do_sample, gen_cfg.temperature, gen_cfg.top_p, gen_cfg.top_k = True, 1.0, 1.0, 0
-
-    def run(batches, cap=None):
-        for b in batches:
-            enc = tok.pad({"input_ids": [r.prompt_ids for r in b]}, return_tensors="pt", padding_side="left")
-            cfg = copy.deepcopy(gen_cfg)
-            cfg.num_return_sequences = b[0].n
-            cfg.max_new_tokens = min(cap or 10**9, max(r.params.max_tokens for r in b))
-            with torch.inference_mode():
-                model.generate(**enc, generation_config=cfg)
-
-    results.put("ready")
-    while (requests := inbox.get()) is not None:
-        per_batch = max(1, max_num_seqs // requests[0].n)
-        batches = [requests[i:i + per_batch] for i in range(0, len(requests), per_batch)]
-        run(batches[:1], cap=4)  # warm-up
-        barrier.wait()
-        start = time.time()
-        run(batches)
-        results.put((start, time.time()))
-
-
-class HFWorkers:
-    """The static-batching baseline: `workers` processes (1 thread each) that load the model once
-    and generate each request list they are given, the requests split as our dispatcher splits them."""
-
-    def __init__(self, model_cfg, workers: int, max_num_seqs: int):
-        ctx = mp.get_context("spawn")
-        self.workers, self.inboxes, self.results = workers, [ctx.Queue() for _ in range(workers)], ctx.Queue()
-        barrier = ctx.Barrier(workers)
-        self.procs = [ctx.Process(target=hf_worker, args=(model_cfg, max_num_seqs, q, barrier, self.results),
-                                  daemon=True) for q in self.inboxes]
-        for p in self.procs:
-            p.start()
-        self._collect()  # every worker has loaded the model
-
-    def _collect(self) -> list:
-        got = []
-        while len(got) < self.workers:
-            try:
-                got.append(self.results.get(timeout=5))
-            except queue.Empty:
-                if dead := [i for i, p in enumerate(self.procs) if not p.is_alive()]:
-                    raise RuntimeError(f"hf baseline worker(s) {dead} died (exit codes "
-                                       f"{[self.procs[i].exitcode for i in dead]})") from None
-        return got
-
-    def throughput(self, requests) -> float:
-        parts = [[] for _ in range(self.workers)]
-        for w, r in zip(assign_workers(requests, self.workers), requests):
-            parts[w].append(r)
-        for q, part in zip(self.inboxes, parts):
-            q.put(part)
-        spans = self._collect()
-        tokens = sum(r.n * r.params.max_tokens for r in requests)
-        return tokens / (max(e for _, e in spans) - min(s for s, _ in spans))
-
-    def close(self) -> None:
-        for q, p in zip(self.inboxes, self.procs):
-            if p.is_alive():
-                q.put(None)
-        for p in self.procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
 
 
 def engine_throughput(engine, requests) -> float:
@@ -289,7 +213,7 @@ def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib, 
                         f"{a}_vs_{b}_min": round(paired.min, 3), f"{a}_vs_{b}_max": round(paired.max, 3)})
         row.update(faster=max(("builtin", "vllm"), key=lambda e: row[f"{e}_tok_s"]),
                    tokens=sum(r.n * r.params.max_tokens for r in reqs), repeats=res[f"vllm/{d}"].repeats,
-                   git_commit=git_commit(), config_hash=res[f"vllm/{d}"].config_hash)
+                   git_commit=res[f"vllm/{d}"].git_commit, config_hash=res[f"vllm/{d}"].config_hash)
         rows.append(row)
         print(row, flush=True)
     return rows, push, sync
@@ -335,7 +259,7 @@ def main() -> None:
         pushed.add(label)
         rows += r
         if push:
-            pushes.append({"model": label, "workers": workers, **push, "git_commit": git_commit()})
+            pushes.append({"model": label, "workers": workers, **push})
             print(f"vllm push {pushes[-1]}", flush=True)
         if sync:
             sync_rows.append(sync)
@@ -343,7 +267,7 @@ def main() -> None:
     write_csv(out_dir / "vllm_push.csv", pushes)
     if not args.quick:
         sync_rows = weight_sync(["qwen2-1m", "qwen2-5m", "qwen3-25m"], tok_dir, workers=2)
-    write_csv(out_dir / "weight_sync.csv", [{**r, "git_commit": git_commit()} for r in sync_rows])
+    write_csv(out_dir / "weight_sync.csv", sync_rows)
     import ray
 
     ray.shutdown()

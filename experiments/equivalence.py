@@ -30,7 +30,6 @@ identical_fraction, max_abs_weight_diff, max_abs_weight_change, trained_in_other
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import shutil
 import sys
@@ -38,8 +37,8 @@ from pathlib import Path
 
 from periodic_async.bench.analysis import compare_iteration
 from periodic_async.bench.plots import plot_equivalence
+from periodic_async.bench.tables import STAMP, read_csv, write_csv
 from periodic_async.config import RunConfig, load_config
-from periodic_async.records import cpu_name, git_commit
 from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -125,20 +124,17 @@ def main(argv=None) -> list[dict]:
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
     old = out / "equivalence.csv"
-    rows = [r for r in csv.DictReader(old.open())] if old.is_file() else []
-    rows = [{**r, "max_abs_weight_diff": float(r["max_abs_weight_diff"]),
-             "max_abs_weight_change": float(r["max_abs_weight_change"])} for r in rows if r["case"] not in cases]
-    commit = git_commit()
+    # the other cases' rows of an earlier run keep the provenance they had (an empty cell where it had none)
+    rows = [{**dict.fromkeys(STAMP, ""), **r, "max_abs_weight_diff": float(r["max_abs_weight_diff"]),
+             "max_abs_weight_change": float(r["max_abs_weight_change"])}
+            for r in (read_csv(old) if old.is_file() else []) if r["case"] not in cases]
     for case in cases:
         overrides, backend = CASES[case]
-        rows += [{**r, "git_commit": commit, "cpu": cpu_name()}
-                 for r in run_case(case, extra + overrides + quick, backend, Path(args.runs))]
+        rows += run_case(case, extra + overrides + quick, backend, Path(args.runs))
     rows.sort(key=lambda r: (list(CASES).index(r["case"]), int(r["iteration"])))
-    with (out / "equivalence.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows({**r, "max_abs_weight_diff": f"{r['max_abs_weight_diff']:.3g}",
-                     "max_abs_weight_change": f"{r['max_abs_weight_change']:.3g}"} for r in rows)
+    write_csv(out / "equivalence.csv", [{**r, "max_abs_weight_diff": f"{r['max_abs_weight_diff']:.3g}",
+                                         "max_abs_weight_change": f"{r['max_abs_weight_change']:.3g}"} for r in rows],
+              COLUMNS)
     png = plot_equivalence(out / "equivalence.csv", Path(args.figures) / "equivalence.png")
     log_experiment("equivalence", [out / "equivalence.csv"], [png])
     print(f"[equivalence] wrote {out}/equivalence.csv, {png}")

@@ -19,7 +19,6 @@ The phases and orders are computed by `bench.analysis.iteration_phases` and `tra
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import shutil
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 from periodic_async.bench.analysis import iteration_phases, trained_orders
 from periodic_async.bench.plots import plot_fig1
 from periodic_async.bench.protocol import SharedEngines
+from periodic_async.bench.tables import write_csv
 from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -46,7 +46,6 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     from periodic_async.config import RunConfig, load_config
     from periodic_async.pipeline import run
-    from periodic_async.records import cpu_name, git_commit
 
     extra = (["data.num_train=1000"] if args.quick else []) + list(args.overrides)
     if not Path(load_config(RunConfig, HERE / "fig1_timeline.yaml", extra).model.name_or_path).is_dir():
@@ -55,7 +54,7 @@ def main(argv=None) -> list[dict]:
     extra.append("logging.wandb_group=fig1_timeline")
     out = Path(args.results)
     (out / "fig1").mkdir(parents=True, exist_ok=True)
-    rows, commit = [], git_commit()
+    rows = []
     engines = SharedEngines()  # one start for both modes; each run pushes its own initial weights
     try:
         for mode in MODES:
@@ -67,13 +66,10 @@ def main(argv=None) -> list[dict]:
             orders = trained_orders(read_jsonl(out / "fig1" / f"{mode}.rollouts.jsonl"))
             for r in iteration_phases(read_jsonl(out / "fig1" / f"{mode}.trace.jsonl")):
                 rows.append({"mode": mode, **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()},
-                             "trained_order": orders[r["iteration"]], "git_commit": commit, "cpu": cpu_name()})
+                             "trained_order": orders[r["iteration"]]})
     finally:
         engines.close()
-    with (out / "fig1_timeline.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "fig1_timeline.csv", rows, COLUMNS)
     png = plot_fig1(out, Path(args.figures), MODES)
     for r in rows:
         print(r)

@@ -179,7 +179,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:  # the same code paths, small: vLLM only, a small micro-batch
         args.rounds, args.versions, args.engines = 1, 2, "vllm"
-    from periodic_async.bench.protocol import write_csv
+    from periodic_async.bench.tables import write_csv
     from periodic_async.trace import log_experiment
 
     out = Path(args.results)

@@ -33,9 +33,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from periodic_async.bench.protocol import write_csv
+from periodic_async.bench.tables import write_csv
 from periodic_async.parallel.affinity import available_cores
-from periodic_async.records import cpu_name, git_commit
 
 TRAINER = r'''
 import os, sys, time, torch
@@ -122,7 +121,6 @@ def main(argv=None) -> list[dict]:
     if len(cores) < 2:
         sys.exit("phase_contention needs 2 cores")
     models = [m for m in args.models if Path(m).is_dir()] or ["qwen2-1m"]
-    commit = git_commit()
     rows = []
     for model in models:
         seen: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -139,10 +137,10 @@ def main(argv=None) -> list[dict]:
                          "process": name, "rate": round(statistics.median(rates), 2), "rate_min": round(min(rates), 2),
                          "rate_max": round(max(rates), 2), "vs_alone": round(statistics.median(rates) / alone[name], 3),
                          "step_cpu_ms": round(statistics.median(v[1] for v in values), 2) if name == "trainer" else "",
-                         "repeats": len(values), "git_commit": commit, "cpu": cpu_name()})
+                         "repeats": len(values)})
     out = write_csv(Path(args.results) / "phase_contention.csv", rows)
     for row in rows:
-        print({k: v for k, v in row.items() if k not in ("git_commit", "cpu")})
+        print(row)
     print(f"[phase_contention] wrote {out}")
     return rows
 

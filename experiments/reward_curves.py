@@ -39,7 +39,6 @@ How the settings were chosen (the lr, schedule and task searched): docs/notes/re
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import resource
@@ -50,10 +49,10 @@ from pathlib import Path
 from periodic_async.bench.analysis import identical_iterations, max_abs_diff, paired_gain_stderr
 from periodic_async.bench.plots import plot_reward_curves, plot_reward_vs_time
 from periodic_async.bench.protocol import SharedEngines
+from periodic_async.bench.tables import write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.model import PRESETS
 from periodic_async.pipeline import run
-from periodic_async.records import cpu_name
 from periodic_async.trace import read_jsonl
 
 HERE = Path(__file__).resolve().parent
@@ -144,7 +143,7 @@ def main(argv=None) -> None:
                 "max_abs_diff_reward": "", "max_abs_diff_eval": "", "tokens_identical_iterations": "",
                 "wall_s": round(wall, 1),
                 "cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1),
-                "git_commit": json.loads((outs[mode] / "run_info.json").read_text())["git_commit"], "cpu": cpu_name(),
+                "git_commit": json.loads((outs[mode] / "run_info.json").read_text())["git_commit"],
             })
             print(f"[reward_curves] {mode}: held-out {first['eval_accuracy']} -> {last['eval_accuracy']} "
                   f"(n={last['eval_n']}), {summary[-1]['wall_s']} s")
@@ -159,15 +158,10 @@ def main(argv=None) -> None:
                      max_abs_diff_vs_sync=_r(max(dr or 0.0, de or 0.0), 6),
                      tokens_identical_iterations=identical_iterations(outs[s["mode"]], outs[sync]))
     res = Path(args.results)
-    res.mkdir(parents=True, exist_ok=True)
-    stamp = {s["mode"]: {k: s[k] for k in ("git_commit", "cpu")} for s in summary}  # each run's tree and machine
-    for file, table in ((f"{name}.csv", [{**r, **stamp[m]} for m in rows for r in rows[m]]),
+    commit = {s["mode"]: s["git_commit"] for s in summary}  # each run's tree (the machine: write_csv's stamp)
+    for file, table in ((f"{name}.csv", [{**r, "git_commit": commit[m]} for m in rows for r in rows[m]]),
                         (f"{name}_summary.csv", summary)):
-        with (res / file).open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(table[0]))
-            w.writeheader()
-            w.writerows(table)
-        print(f"wrote {res / file}")
+        print(f"wrote {write_csv(res / file, table)}")
     print(f"wrote {plot_reward_curves(res / f'{name}.csv', Path(args.figures) / f'{name}.png')}")
     print(f"wrote {plot_reward_vs_time(res / f'{name}.csv', Path(args.figures) / f'{name}_wallclock.png')}")
     for s in summary:

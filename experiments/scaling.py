@@ -32,7 +32,6 @@ and <figures>/scaling.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -41,13 +40,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict, write_csv
+from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict
+from periodic_async.bench.tables import read_csv, write_csv
 from periodic_async.scale.calibrate import (MeasuredRun, fit_costs, load_gpu_check, load_run, measured_device_file,
                                            simulate_measured)
 from periodic_async.config import RunConfig, load_config
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.pipeline import run
-from periodic_async.records import git_commit
 from periodic_async.scale.plan import DEFAULT_COSTS, plan
 from periodic_async.bench.plots import plot_scaling
 
@@ -223,12 +222,9 @@ def main(argv=None) -> None:
         sim_rows += predictions([name], totals, device_file, f"{m.label} ({gpu}, commit {m.commit})")
     else:
         print(f"[scaling] no GPU check in {gpu} (trainer.csv, engine.csv): example costs only")
-    commit = git_commit()
-    sim_rows = [{**r, "git_commit": commit} for r in sim_rows]
     if args.predictions_only and (out / "scaling_simulated.csv").is_file():  # keep the CPU points, their commit
-        with (out / "scaling_simulated.csv").open() as f:
-            sim_rows = [{**r, "cpu": r.get("cpu", "")} for r in csv.DictReader(f)
-                        if r["section"] == "cpu-measured-point"] + sim_rows
+        sim_rows = [{**r, "cpu": r.get("cpu", "")} for r in read_csv(out / "scaling_simulated.csv")
+                    if r["section"] == "cpu-measured-point"] + sim_rows
     write_csv(out / "scaling_simulated.csv", sim_rows)
     if args.predictions_only:
         print(f"[scaling] wrote {out}/scaling_simulated.csv (predictions only)")

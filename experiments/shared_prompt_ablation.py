@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import csv
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 from periodic_async.bench.plots import plot_shared_prompt
+from periodic_async.bench.tables import read_csv, write_csv
 
 COLUMNS = ["P", "G", "R", "backend", "speedup", "token_bound", "efficiency", "peak_mem_ratio", "model", "repeats",
            "git_commit", "cpu"]
@@ -145,7 +145,6 @@ def measure_point(model, P, G, R, backends, repeats, device, seed=0):
 def main(argv=None) -> None:
     from periodic_async.config import ModelConfig
     from periodic_async.model import build_model, resolve_device
-    from periodic_async.records import cpu_name, git_commit
     from periodic_async.trace import log_experiment
     from periodic_async.data.tokenizer import ensure_tokenizer
 
@@ -171,21 +170,16 @@ def main(argv=None) -> None:
     model = build_model(ModelConfig(name_or_path=args.preset, tokenizer=args.tokenizer, dtype="float32",
                                     device=str(device)), tok)
     print(f"{args.preset} fp32 on {device}, {args.threads} thread(s), {repeats} rounds, back-ends {backends}")
-    rows, commit = [], git_commit()
+    rows = []
     for P, G, R in grid:
-        rows += [{**r, "model": args.preset, "repeats": repeats, "git_commit": commit, "cpu": cpu_name()}
+        rows += [{**r, "model": args.preset, "repeats": repeats}
                  for r in measure_point(model, P, G, R, backends, repeats, device)]
-    out = Path(args.results_dir) / "shared_prompt.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    out = write_csv(Path(args.results_dir) / "shared_prompt.csv", rows, COLUMNS)
     png = plot_shared_prompt(out, Path(args.figures_dir) / "shared_prompt.png")
     log_experiment("shared_prompt_ablation", [out], [png])  # W&B (offline unless WANDB_MODE=online)
     print(f"wrote {out} and {png}")
-    for r in rows:
-        print(",".join(str(r[c]) for c in COLUMNS))
+    for r in read_csv(out):  # the rows as written, stamped
+        print(",".join(r[c] for c in COLUMNS))
 
 
 if __name__ == "__main__":

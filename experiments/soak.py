@@ -27,7 +27,6 @@ from `warmup` iterations after the process's first sample (start-up allocations 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shutil
@@ -37,6 +36,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from periodic_async.bench.tables import read_csv, write_csv
 
 HERE = Path(__file__).resolve().parent
 COLUMNS = ["leg", "iteration", "time_s", "process", "pid", "rss_mib", "fds", "queue_depth_max", "worker_restarts",
@@ -64,17 +65,16 @@ def open_fds(pid: int) -> int:
 
 
 class Sampler(threading.Thread):
-    """Follows <run>/metrics.jsonl; every `every` iterations appends one row per process to the CSV,
-    and at `kill_at` SIGKILLs engine worker 1 (once)."""
+    """Follows <run>/metrics.jsonl; every `every` iterations adds one row per process to the CSV
+    (rewritten with the rows so far, the earlier leg's included), and at `kill_at` SIGKILLs engine
+    worker 1 (once)."""
 
     def __init__(self, leg: int, run_dir: Path, engine, csv_path: Path, every: int, kill_at: int | None,
                  t0: float) -> None:
         super().__init__(daemon=True, name="soak-sampler")
         self.leg, self.run_dir, self.engine, self.csv_path = leg, run_dir, engine, csv_path
         self.every, self.kill_at, self.t0 = every, kill_at, t0
-        from periodic_async.records import cpu_name, git_commit
-
-        self.commit, self.cpu = git_commit(), cpu_name()
+        self.rows = read_csv(csv_path)  # leg 2 adds to leg 1's rows (each keeps its own stamp)
         self.stop = threading.Event()
         self.killed_pid: int | None = None
         metrics = run_dir / "metrics.jsonl"  # leg 2 appends to leg 1's: follow only the new lines
@@ -96,14 +96,11 @@ class Sampler(threading.Thread):
         common = dict(leg=self.leg, iteration=iteration, time_s=round(time.time() - self.t0, 2),
                       queue_depth_max=m.get("pipeline/queue_depth_max", ""),
                       worker_restarts=m.get("engine/worker_restarts", ""),
-                      trace_mib=round(trace.stat().st_size / 2**20, 3) if trace.exists() else 0.0, event=event,
-                      git_commit=self.commit, cpu=self.cpu)
+                      trace_mib=round(trace.stat().st_size / 2**20, 3) if trace.exists() else 0.0, event=event)
         procs = [("trainer", os.getpid())] + [(f"worker{w}", pid) for w, pid in enumerate(list(self.engine.pids))]
-        with self.csv_path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            for name, pid in procs:
-                writer.writerow({**common, "process": name, "pid": pid, "rss_mib": round(rss_mib(pid), 2),
-                                 "fds": open_fds(pid)})
+        self.rows += [{**common, "process": name, "pid": pid, "rss_mib": round(rss_mib(pid), 2), "fds": open_fds(pid)}
+                      for name, pid in procs]
+        write_csv(self.csv_path, self.rows, COLUMNS)
 
     def run(self) -> None:
         while not self.stop.wait(0.05):  # a line is logged as the next iteration starts generating: kill then
@@ -155,8 +152,7 @@ def summarize(csv_path: Path, warmup: int) -> list[dict]:
     """One row per process of <results>/soak.csv: `bench.analysis.memory_growth`."""
     from periodic_async.bench.analysis import memory_growth
 
-    with csv_path.open() as f:
-        return memory_growth(list(csv.DictReader(f)), warmup)
+    return memory_growth(read_csv(csv_path), warmup)
 
 
 def main() -> None:
@@ -180,8 +176,7 @@ def main() -> None:
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     csv_path = results / "soak.csv"
-    with csv_path.open("w", newline="") as f:
-        csv.DictWriter(f, fieldnames=COLUMNS).writeheader()
+    write_csv(csv_path, [], COLUMNS)  # the header: the legs add the rows
     shutil.rmtree(args.runs, ignore_errors=True)  # a fresh run: leg 1 starts from nothing
     t0 = time.time()
     for leg in (1, 2):  # two processes: a stopped run, then its resumption
@@ -197,7 +192,6 @@ def main() -> None:
 def report(args, csv_path: Path, summary_path: Path, wall: float) -> None:
     """Check the run went through (every iteration logged once, one restart of the killed worker),
     then write and print the summary."""
-    from periodic_async.records import cpu_name, git_commit
     from periodic_async.trace import read_jsonl
 
     steps = [m["step"] for m in read_jsonl(Path(args.runs) / "metrics.jsonl")]
@@ -208,17 +202,13 @@ def report(args, csv_path: Path, summary_path: Path, wall: float) -> None:
     if len(restarts) != 1 or restarts[0]["old_pid"] != leg2["killed_pid"]:
         raise SystemExit(f"soak: expected one restart of the killed worker, got {restarts}")
     r = restarts[0]
-    summary, commit = summarize(csv_path, args.warmup), git_commit()
-    with summary_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=SUMMARY + ["iterations", "wall_s", "restarted", "requests_resent",
-                                                         "git_commit", "cpu"])
-        writer.writeheader()
-        for row in summary:
-            new = row["pid"] == r["new_pid"]
-            writer.writerow({**row, "iterations": args.iterations, "wall_s": round(wall),
-                             "restarted": "yes" if new else ("killed" if row["pid"] == r["old_pid"] else ""),
-                             "requests_resent": len(r["resent"]) if new else "", "git_commit": commit,
-                             "cpu": cpu_name()})
+    summary, rows = summarize(csv_path, args.warmup), []
+    for row in summary:
+        new = row["pid"] == r["new_pid"]
+        rows.append({**row, "iterations": args.iterations, "wall_s": round(wall),
+                     "restarted": "yes" if new else ("killed" if row["pid"] == r["old_pid"] else ""),
+                     "requests_resent": len(r["resent"]) if new else ""})
+    write_csv(summary_path, rows, SUMMARY + ["iterations", "wall_s", "restarted", "requests_resent"])
     print(f"[soak] {args.iterations} iterations in {wall:.0f} s; resumed at {args.stop_at}; worker {r['worker']} "
           f"(pid {r['old_pid']}) SIGKILLed, restarted as pid {r['new_pid']} at version {r['version']}, "
           f"{len(r['resent'])} requests re-sent")

@@ -5,19 +5,20 @@ without shared-prompt packing, on one model, tokenizer, prompt set and reward. S
 quoted against the faster of the two TRL configurations (`trl_baseline` names it).
 
     bash experiments/table2_throughput.sh              # ~50 min on 2 cores; QUICK=1: ~1 min
-    python experiments/table2_throughput.py [--quick] [--repeats N] [--results results] [--figures figures]
-                                            [--runs runs/table2] [section.key=value ...]
+    python experiments/table2_throughput.py [--quick] [--repeats N] [--settings long-prompt,...] [--results results]
+                                            [--figures figures] [--runs runs/table2] [section.key=value ...]
 
-What is the same for every system (experiments/table2_throughput.yaml): model, tokenizer,
+What is the same for every system (the run config, experiments/table2_throughput.yaml): model, tokenizer,
 prompts, reward (correctness), B prompts per step, G samples each, max new tokens,
 temperature, lr, beta, clip range, token-mean loss over the whole batch (TRL's "dapo") and
 one optimizer step per generation batch. How TRL is run, and how its tokens are counted and
 checked against ours: periodic_async/bench/trl.py. Each system keeps its own best execution
-settings (micro-batch sizes, deployment), recorded in the CSV's `settings` column.
+settings (micro-batch sizes, deployment: SYSTEMS, TRL below), recorded in the CSV's `settings` column;
+what differs between the table's settings is SETTINGS.
 Trained tokens = sum over samples of (P + R_i) in every system; tokens/s excludes the first
 iteration (TRL: the first optimizer step) of every run.
 
-The benchmark protocol is periodic_async.bench: systems interleaved, `bench.repeats` rounds,
+The benchmark protocol is periodic_async.bench: systems interleaved, REPEATS rounds,
 median with min and max; the speedup columns are ratios of medians, their _min/_max the
 paired ratios round by round. Writes results/table2_throughput.csv,
 results/table2_token_check.csv (TRL's count and ours per step), results/table2_batch_effect.csv
@@ -27,16 +28,15 @@ results/table2_token_check.csv (TRL's count and ours per step), results/table2_b
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from periodic_async.bench.plots import plot_table2
-from periodic_async.bench.protocol import SharedEngines, System, flatten, measure, write_csv
+from periodic_async.bench.protocol import SharedEngines, System, flatten, measure
+from periodic_async.bench.tables import read_csv, write_csv
 from periodic_async.bench.trl import export_model, run_trl, trl_settings
 from periodic_async.config import RunConfig, load_config
 from periodic_async.data import few_shot_examples, iteration_prompts, load_examples, prompt_messages
@@ -45,38 +45,98 @@ from periodic_async.data.tokenizer import ensure_tokenizer
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.model import PRESETS
 from periodic_async.pipeline import run
-from periodic_async.records import git_commit
 
 HERE = Path(__file__).resolve().parent
 IGNORE = ("trainer.output_dir", "logging.")  # not settings of the measured system
 MODES = ["sync-colocated", "sync-separated", "periodic-async"]
+TRL_SYSTEMS = ("trl-grpo", "trl-grpo-vllm")  # TRL generating with transformers.generate / with vLLM
 COLUMNS = ["setting", "system", "shared_prompt", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "repeats",
            "measured_iterations", "devices", "speedup_vs_trl", "speedup_vs_sync_colocated", "paper_speedup",
            "git_commit", "config_hash", "speedup_vs_trl_min", "speedup_vs_trl_max", "mean_prompt_tokens",
            "samples_per_iteration", "trl_baseline", "settings"]
 
-
-def read_csv(path: Path) -> list[dict]:
-    """The rows of an earlier run's CSV (none when it does not exist)."""
-    if not path.is_file():
-        return []
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def load_plan(path: Path, quick: bool) -> dict:
-    """The YAML plan; with `quick`, its `quick` section merged over it (one level deep per section)."""
-    plan = yaml.safe_load(path.read_text())
-    if quick:
-        for section, over in plan.get("quick", {}).items():
-            if section == "run":
-                plan["run_quick"] = over
-            elif section == "settings":
-                for name, o in over.items():
-                    plan["settings"][name] = {**plan["settings"][name], **o}
-            else:
-                plan[section] = {**plan[section], **over}
-    return plan
+SETTINGS = {  # what differs between the table's settings, over table2_throughput.yaml
+    # The paper's case: few-shot prompts of ~500 tokens, G = 16. Per-response training of long rows
+    # is what costs (measured here: under 1k tokens/s for TRL and for our per-response modes, 12-shot
+    # prompts, B*G = 128): this size keeps the whole table near 15 minutes on 2 cores.
+    "long-prompt": {"data.few_shot": 8, "algorithm.group_size": 16,
+                    "algorithm.prompts_per_iteration": 4,  # B*G = 64 samples = 4x the engine's 16 slots
+                    "engine.max_tokens": 64, "engine.max_num_seqs": 16},
+    # A pretrained instruct model (134.5M parameters, vocabulary 49,152): SmolLM2-135M-Instruct
+    # (`python -m periodic_async prepare-model smollm2-135m`), 8-shot prompts through its own chat
+    # template (~460 tokens), G = 8, responses up to 256 tokens at their real, uneven lengths. Every
+    # engine is vLLM (one Ray worker per engine; TRL's own colocated vLLM in trl-grpo-vllm). Run alone:
+    # --settings real-model (38 minutes measured, 2 rounds).
+    "real-model": {"model.name_or_path": "artifacts/smollm2-135m-instruct", "data.few_shot": 8,
+                   "algorithm.group_size": 8,
+                   "algorithm.prompts_per_iteration": 2,  # B*G = 16 samples = 2x the engine's 8 slots
+                   "engine.max_tokens": 256, "engine.max_num_seqs": 8, "engine.worker_backend": "vllm",
+                   "engine.vllm_kv_cache_gib": 0.5},  # 8 sequences x ~720 tokens need ~0.3 GiB
+    # Zero-shot prompts of ~60 tokens: shared prompts save little.
+    "short-prompt": {"data.few_shot": 0, "algorithm.group_size": 8,
+                     "algorithm.prompts_per_iteration": 64,  # B*G = 512 samples = 16x the engine's 32 slots
+                     "engine.max_tokens": 64},
+}
+SYSTEMS_OF_SETTING = {
+    # A setting may run only some systems. real-model: per-response training of a 135M model is what
+    # costs (16 rows of ~720 tokens per iteration); of our per-response rows only periodic-async's (the
+    # shared-prompt ablation of the full method) is run, which keeps the setting near 30 minutes.
+    "real-model": ["trl-grpo", "trl-grpo-vllm", "periodic-async/per-response", "sync-colocated/shared",
+                   "sync-separated/shared", "periodic-async/shared"],
+}
+SYSTEMS = {
+    # Each mode: its overrides (`per_setting`: more, in one setting) and its micro-batch token budget
+    # per packing (algorithm.micro_batch_tokens; one value, or one per setting). The synchronous modes
+    # train on the whole batch at once and take large micro-batches; periodic-async takes small ones so
+    # that training starts with the first finished group (a budget of about one packed group).
+    "sync-colocated": {  # generate with one engine worker per core, then train on both cores
+        "overrides": {"pipeline.mode": "sync-colocated", "engine.num_workers": 2, "trainer.threads": 2},
+        # A 135M model's vLLM worker holds ~3.5 GB: one worker on both cores, not two on one each.
+        "per_setting": {"real-model": {"engine.num_workers": 1, "engine.threads_per_worker": 2}},
+        "micro_batch_tokens": {"per-response": 8192, "shared": 8192}},
+    "sync-separated": {
+        "overrides": {"pipeline.mode": "sync-separated"},
+        "micro_batch_tokens": {"per-response": 8192, "shared": 8192}},
+    # micro-batch 0 = one group each (micro_batch_groups): a long-prompt shared group is ~580 tokens
+    # and B = 4, so a 2048-token budget waited for the last group and nothing overlapped (measured:
+    # iteration = generation + training).
+    "periodic-async": {
+        "overrides": {"pipeline.mode": "periodic-async", "algorithm.micro_batch_groups": 1},
+        "micro_batch_tokens": {"per-response": 4096,
+                               "shared": {"long-prompt": 0, "short-prompt": 2048, "real-model": 0}}},
+}
+TRL = {  # TRL's own settings (bench/trl.py); a value given per setting as a mapping takes that setting's
+    "threads": 2,
+    # TRL pads every micro-batch to the generation batch's longest sequence; its micro-batch
+    # (per_device_train_batch_size) is the largest divisor of B*G whose padded size fits this
+    # budget, and gradient accumulation = steps_per_generation = B*G / micro-batch.
+    "micro_batch_tokens": {"long-prompt": 8192, "short-prompt": 8192, "real-model": 4096},  # real-model: 4 rows
+    "loss_type": "dapo",
+    "vllm": False,
+}
+TRL_VLLM = {"vllm_kv_cache_gib": 1}
+"""trl-grpo-vllm: TRL with use_vllm=True, vllm_mode=colocate (its vLLM in the TRL process), over `TRL`.
+TRL 1.16's weight push into vLLM fails on vLLM's CPU build; the one change made to TRL for this
+system (its sync goes through vLLM's reload_weights) is in periodic_async/bench/trl.py."""
+BATCH_EFFECT = {"setting": "short-prompt", "systems": ["sync-separated", "periodic-async"], "shared_prompt": True,
+                "prompts_per_iteration": [4, 16, 64]}
+"""Asynchrony overlaps only within an iteration: the effect of B on short-prompt."""
+PAPER_SPEEDUP = "3-5"
+"""The paper's end-to-end claim against mainstream frameworks (verl, MindSpeed-RL), for the row of
+the full method (periodic-async with shared prompts)."""
+REPEATS, WARMUP_ROUNDS = 3, 0
+QUICK = {  # --quick: the same path, small (about 2 minutes on 2 quiet cores)
+    "run": {"trainer.iterations": 2, "data.num_train": 200,
+            "engine.max_num_seqs": 8},  # few slots, so that the small batches below still exceed them
+    "settings": {
+        "long-prompt": {"data.few_shot": 2, "algorithm.group_size": 4, "algorithm.prompts_per_iteration": 4,
+                        "engine.max_tokens": 16},
+        "short-prompt": {"algorithm.group_size": 4, "algorithm.prompts_per_iteration": 8, "engine.max_tokens": 16},
+        "real-model": {"data.few_shot": 2, "algorithm.group_size": 4, "algorithm.prompts_per_iteration": 2,
+                       "engine.max_tokens": 24, "engine.max_num_seqs": 4}},
+    "batch_effect": {"setting": "long-prompt", "prompts_per_iteration": [1, 2]},  # QUICK runs long-prompt only
+    "repeats": 1,
+}
 
 
 def as_overrides(tree: dict) -> list[str]:
@@ -84,44 +144,72 @@ def as_overrides(tree: dict) -> list[str]:
     return [f"{k}={json.dumps(v)}" for k, v in flatten(tree).items()]
 
 
-def run_config(plan: dict, setting: str, extra: list[str]) -> RunConfig:
-    over = as_overrides(plan["run"]) + as_overrides(plan.get("run_quick", {})) + as_overrides(plan["settings"][setting])
-    return load_config(RunConfig, None, over + extra)
+def earlier_rows(path: Path) -> list[dict]:
+    """The rows of an earlier run's CSV (none when it does not exist)."""
+    return read_csv(path) if path.is_file() else []
+
+
+def per_setting(value, setting: str):
+    """A value given once, or per setting as a mapping: that setting's."""
+    return value[setting] if isinstance(value, dict) and setting in value else value
+
+
+@dataclass
+class Plan:
+    """What one invocation runs: the run-config YAML, the --quick overrides under every setting,
+    each chosen setting's overrides (with --quick's over them), the batch-size sweep and the rounds."""
+
+    config: Path
+    quick_run: dict
+    settings: dict[str, dict]
+    batch_effect: dict
+    repeats: int
+
+    @classmethod
+    def of(cls, config: Path, quick: bool, settings: list[str] | None, repeats: int | None) -> Plan:
+        chosen = settings or list(SETTINGS)
+        if unknown := [s for s in chosen if s not in SETTINGS]:
+            raise SystemExit(f"--settings: {unknown} not in the settings {list(SETTINGS)}")
+        q = QUICK if quick else {}
+        return cls(config, q.get("run", {}),
+                   {s: {**over, **q.get("settings", {}).get(s, {})} for s, over in SETTINGS.items() if s in chosen},
+                   {**BATCH_EFFECT, **q.get("batch_effect", {})}, repeats or q.get("repeats", REPEATS))
+
+    def run_config(self, setting: str, extra: list[str]) -> RunConfig:
+        """The YAML, --quick's overrides, the setting's, then `extra` (a system's, the command line's)."""
+        return load_config(RunConfig, self.config,
+                           as_overrides(self.quick_run) + as_overrides(self.settings[setting]) + extra)
 
 
 # --- the experiment ---------------------------------------------------------------------------
 
-def pipeline_system(plan, setting, mode, shared, extra, runs: Path, engines: SharedEngines, name=None) -> System:
+def pipeline_system(plan: Plan, setting, mode, shared, extra, runs: Path, engines: SharedEngines,
+                    name=None) -> System:
     packing = "shared" if shared else "per-response"
     name = name or f"{mode}/{packing}"
-    system = plan["systems"][mode]
-    budget = system["micro_batch_tokens"][packing]
-    budget = budget[setting] if isinstance(budget, dict) else budget  # one value, or one per setting
+    system = SYSTEMS[mode]
     over = as_overrides(system["overrides"]) + as_overrides(system.get("per_setting", {}).get(setting, {})) + [
-        f"algorithm.shared_prompt={shared}", f"algorithm.micro_batch_tokens={budget}",
+        f"algorithm.shared_prompt={shared}",
+        f"algorithm.micro_batch_tokens={per_setting(system['micro_batch_tokens'][packing], setting)}",
         f"trainer.output_dir={runs / setting / name.replace('/', '-')}"]
-    cfg = run_config(plan, setting, over + extra)
+    cfg = plan.run_config(setting, over + extra)
     return System(name, lambda: run(cfg, engine=engines.get(cfg)), cfg)
 
 
-TRL_SYSTEMS = ("trl-grpo", "trl-grpo-vllm")  # TRL generating with transformers.generate / with vLLM
+def trl_plan(name: str, setting: str) -> dict:
+    """TRL's settings for system `name` in `setting`: `TRL` (with `TRL_VLLM` over it for trl-grpo-vllm)."""
+    trl = {**TRL, **TRL_VLLM, "vllm": True} if name == "trl-grpo-vllm" else TRL
+    return {k: per_setting(v, setting) for k, v in trl.items()}
 
 
-def trl_plan(plan: dict, name: str, setting: str) -> dict:
-    """TRL's settings for system `name` in `setting`: the plan's `trl` (a value given per setting
-    as a mapping takes that setting's), with `trl_vllm` over it for trl-grpo-vllm."""
-    trl = {**plan["trl"], **plan.get("trl_vllm", {}), "vllm": True} if name == "trl-grpo-vllm" else dict(plan["trl"])
-    return {k: v[setting] if isinstance(v, dict) and setting in v else v for k, v in trl.items()}
-
-
-def trl_system(plan, setting, extra, runs: Path, model_dir_of, name: str = "trl-grpo",
+def trl_system(plan: Plan, setting, extra, runs: Path, model_dir_of, name: str = "trl-grpo",
                engines: SharedEngines | None = None) -> System:
     """TRL in a fresh process. Our systems' shared engines are closed first: TRL gets the
     machine's memory to itself (a 135M model's TRL process holds ~11 GB), and the next system
     of ours starts its engine again (engine start-up is outside every measurement)."""
-    cfg = run_config(plan, setting, extra)
+    cfg = plan.run_config(setting, extra)
     out = runs / setting / name
-    trl = trl_plan(plan, name, setting)
+    trl = trl_plan(name, setting)
     settings = trl_settings(cfg, trl, load_policy_tokenizer(cfg))
 
     def run_it():
@@ -153,22 +241,17 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--results", default=os.environ.get("RESULTS_DIR", "results"))
     ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
     ap.add_argument("--runs", default="runs/table2")
-    ap.add_argument("--plan", default=str(HERE / "table2_throughput.yaml"))
-    ap.add_argument("--repeats", type=int, default=None, help="measured rounds (default: bench.repeats of the plan)")
+    ap.add_argument("--config", default=str(HERE / "table2_throughput.yaml"), help="the run config every system shares")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help=f"measured rounds (default {REPEATS}; {QUICK['repeats']} with --quick)")
     ap.add_argument("--settings", default=None,
-                    help="comma-separated settings to run (default: all of the plan's), e.g. real-model")
+                    help=f"comma-separated settings to run (default: all of {', '.join(SETTINGS)}), e.g. real-model")
     ap.add_argument("--no-batch-effect", action="store_true", help="skip the batch-size sweep")
     ap.add_argument("overrides", nargs="*", help="section.key=value for every system (e.g. model.name_or_path=...)")
     args = ap.parse_args(argv)
-    plan = load_plan(Path(args.plan), args.quick)
-    if args.settings:
-        wanted = args.settings.split(",")
-        unknown = [w for w in wanted if w not in plan["settings"]]
-        if unknown:
-            raise SystemExit(f"--settings: {unknown} not in the plan's settings {list(plan['settings'])}")
-        plan["settings"] = {k: v for k, v in plan["settings"].items() if k in wanted}
+    plan = Plan.of(Path(args.config), args.quick, args.settings.split(",") if args.settings else None, args.repeats)
     extra = list(args.overrides)
-    probe = run_config(plan, next(iter(plan["settings"])), extra)
+    probe = plan.run_config(next(iter(plan.settings)), extra)
     model = probe.model.name_or_path
     if model not in PRESETS and not (Path(model) / "config.json").is_file():
         print(f"[table2] WARNING: {model} not found (build it with `bash experiments/warm_start.sh`); "
@@ -176,9 +259,6 @@ def main(argv=None) -> list[dict]:
         extra.append("model.name_or_path=qwen2-1m")
     ensure_tokenizer(probe.model.tokenizer)
     runs = Path(args.runs)
-    if args.repeats:
-        plan["bench"]["repeats"] = args.repeats
-    bench = plan["bench"]
     if probe.trainer.iterations < 2:
         raise ValueError("trainer.iterations must be >= 2: the first iteration of every run is excluded")
     init_ray(probe.engine)
@@ -194,21 +274,19 @@ def main(argv=None) -> list[dict]:
     out = Path(args.results)
     # With --settings, the other settings' rows of an earlier run are kept (one CSV, all settings).
     # (an older row keeps the provenance it had: no cpu stamped on a row this machine did not measure)
-    rows = [{"cpu": "", "measured_iterations": "", **r} for r in read_csv(out / "table2_throughput.csv")
-            if r["setting"] not in plan["settings"]]
-    checks = [{"cpu": "", **r} for r in read_csv(out / "table2_token_check.csv")
-              if r["setting"] not in plan["settings"]]
-    batch_rows, commit = [], git_commit()
+    rows = [{"cpu": "", "measured_iterations": "", **r} for r in earlier_rows(out / "table2_throughput.csv")
+            if r["setting"] not in plan.settings]
+    checks = [{"cpu": "", **r} for r in earlier_rows(out / "table2_token_check.csv")
+              if r["setting"] not in plan.settings]
+    batch_rows = []
     try:
-        for setting in plan["settings"]:
+        for setting in plan.settings:
             systems = [trl_system(plan, setting, extra, runs, model_dir_of, name, engines) for name in TRL_SYSTEMS]
             systems += [pipeline_system(plan, setting, m, shared, extra, runs, engines)
                         for m in MODES for shared in (False, True)]
-            if setting in plan.get("systems_of_setting", {}):  # a setting that runs only some systems
-                keep = plan["systems_of_setting"][setting]
-                systems = [s for s in systems if s.name in keep]
-            res = measure(systems, repeats=bench["repeats"], warmup_rounds=bench["warmup_rounds"],
-                          ignore_settings=IGNORE)
+            if setting in SYSTEMS_OF_SETTING:  # a setting that runs only some systems
+                systems = [s for s in systems if s.name in SYSTEMS_OF_SETTING[setting]]
+            res = measure(systems, repeats=plan.repeats, warmup_rounds=WARMUP_ROUNDS, ignore_settings=IGNORE)
             cfg0 = systems[len(TRL_SYSTEMS)].settings
             p_mean = round(mean_prompt_tokens(cfg0), 1)
             # Speedups are quoted against the faster TRL configuration of this setting.
@@ -217,7 +295,7 @@ def main(argv=None) -> list[dict]:
             for name in TRL_SYSTEMS:
                 for round_, r in enumerate(res[name].runs, 1):
                     checks += [{"setting": setting, "system": name, "round": round_, "step": i + 1,
-                                "trl_num_tokens": a, "ours": b, "equal": a == b, "git_commit": commit}
+                                "trl_num_tokens": a, "ours": b, "equal": a == b}
                                for i, (a, b) in enumerate(r["token_check"])]
             for name, r in res.items():
                 mode, _, packing = name.partition("/")
@@ -231,13 +309,13 @@ def main(argv=None) -> list[dict]:
                     "speedup_vs_trl": round(r.stats("tokens_per_s").median / trl.stats("tokens_per_s").median, 3),
                     "speedup_vs_sync_colocated": round(r.stats("tokens_per_s").median /
                                                        colocated.stats("tokens_per_s").median, 3) if colocated else "",
-                    "paper_speedup": plan["paper_speedup"] if name == "periodic-async/shared" else "",
+                    "paper_speedup": PAPER_SPEEDUP if name == "periodic-async/shared" else "",
                     **r.provenance(), "speedup_vs_trl_min": round(vs_trl.min, 3),
                     "speedup_vs_trl_max": round(vs_trl.max, 3), "mean_prompt_tokens": p_mean,
                     "samples_per_iteration": cfg0.algorithm.prompts_per_iteration * cfg0.algorithm.group_size,
                     "trl_baseline": trl_name})
             write_csv(out / "table2_throughput.csv", rows, COLUMNS)  # after each setting
-        if not args.no_batch_effect and plan["batch_effect"]["setting"] in plan["settings"]:
+        if not args.no_batch_effect and plan.batch_effect["setting"] in plan.settings:
             batch_rows = batch_effect(plan, extra, runs, engines)
     finally:
         engines.close()
@@ -256,10 +334,10 @@ def main(argv=None) -> list[dict]:
     return rows
 
 
-def batch_effect(plan, extra, runs: Path, engines: SharedEngines) -> list[dict]:
+def batch_effect(plan: Plan, extra, runs: Path, engines: SharedEngines) -> list[dict]:
     """sync-separated vs periodic-async at several B (same G, engine slots): periodic asynchrony
     overlaps only within an iteration, so it needs B*G well above the engines' slots."""
-    be, bench = plan["batch_effect"], plan["bench"]
+    be = plan.batch_effect
     setting, shared = be["setting"], be["shared_prompt"]
     systems = []
     for b in be["prompts_per_iteration"]:
@@ -267,7 +345,7 @@ def batch_effect(plan, extra, runs: Path, engines: SharedEngines) -> list[dict]:
             systems.append(pipeline_system(plan, setting, mode, shared,
                                            extra + [f"algorithm.prompts_per_iteration={b}"], runs / "batch_effect",
                                            engines, name=f"{mode}/B{b}"))
-    res = measure(systems, repeats=bench["repeats"], warmup_rounds=bench["warmup_rounds"], ignore_settings=IGNORE)
+    res = measure(systems, repeats=plan.repeats, warmup_rounds=WARMUP_ROUNDS, ignore_settings=IGNORE)
     rows = []
     for name, r in res.items():
         mode, _, b = name.partition("/B")

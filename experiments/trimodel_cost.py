@@ -20,20 +20,18 @@ and the parameter bytes of the models each variant keeps. Writes one CSV row per
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from periodic_async import grpo
 from periodic_async.batching import MicroBatch, GroupSlice
+from periodic_async.bench.tables import write_csv
 from periodic_async.config import AlgorithmConfig, ModelConfig
 from periodic_async.group import Group
 from periodic_async.model import build_model, num_parameters
-from periodic_async.records import cpu_name, git_commit
 from periodic_async.shared_prompt import token_logprobs
 from periodic_async.data.tokenizer import ensure_tokenizer
 from periodic_async.trace import log_experiment
@@ -120,14 +118,9 @@ def main() -> None:
             "packed_tokens": inputs.packed.num_tokens, "label_tokens": inputs.num_tokens,
             "repeats": len(ts), "median_ms": round(1e3 * statistics.median(ts), 2),
             "ratio_vs_policy_only": round(statistics.median(t / b for t, b in zip(ts, base)), 3),
-            **mem, "memory_ratio": round(mem["total_bytes"] / one, 3), "git_commit": git_commit(), "cpu": cpu_name(),
+            **mem, "memory_ratio": round(mem["total_bytes"] / one, 3),
         })
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    out = write_csv(args.out, rows)
     for r in rows:
         print(f"{r['variant']:20s} {r['median_ms']:9.2f} ms  x{r['ratio_vs_policy_only']:.2f} time  "
               f"x{r['memory_ratio']:.0f} weights ({r['total_bytes'] / 2**20:.1f} MiB)")

@@ -13,15 +13,12 @@ python -m periodic_async sft --config experiments/sft.yaml sft.output_dir="$out"
 mkdir -p "$results"
 # sft.csv from the run's summary, and its W&B summary run (offline unless WANDB_MODE=online)
 python - "$out/sft_summary.json" "$results/sft.csv" <<'PY'
-import csv, json, sys
-from periodic_async.config import cpu_name, git_commit
+import json, sys
+from pathlib import Path
+from periodic_async.bench.tables import write_csv
 from periodic_async.trace import log_experiment
-summary = json.load(open(sys.argv[1]))
+summary = json.loads(Path(sys.argv[1]).read_text())
 keys = ["model", "parameters", "steps", "examples_seen", "train_seconds", "eval_n", "accuracy_before", "accuracy_after"]
-commit, cpu = git_commit(), cpu_name()  # before the CSV (a tracked file) is rewritten
-with open(sys.argv[2], "w", newline="") as f:
-    w = csv.writer(f); w.writerow(keys + ["git_commit", "cpu"])
-    w.writerow([summary[k] for k in keys] + [commit, cpu])
-print(f"wrote {sys.argv[2]}")
+print(f"wrote {write_csv(sys.argv[2], [{k: summary[k] for k in keys}])}")  # stamped before the file is rewritten
 log_experiment("warm_start", [sys.argv[2]])
 PY

@@ -14,17 +14,15 @@ worker's receive + copy into its model. One CSV row per (preset, path): median, 
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from periodic_async.bench.tables import write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.engine import make_engine
 from periodic_async.model import load_policy, num_parameters
-from periodic_async.records import cpu_name, git_commit
 
 PATHS = ("object_store", "collective")
 
@@ -76,19 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="results/weight_sync_collective.csv")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    commit, t0 = git_commit(), time.time()
+    t0 = time.time()
     rows = []
     for preset in args.presets:
         rows += measure(preset, args.workers, args.repeats, args.tokenizer)
         print(rows[-2], rows[-1], sep="\n", flush=True)
-    for row in rows:
-        row["git_commit"], row["cpu"] = commit, cpu_name()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    out = write_csv(args.out, rows)
     print(f"wrote {out} in {time.time() - t0:.0f} s")
 
 

@@ -5,8 +5,8 @@ import csv
 
 import pytest
 
-from periodic_async.bench.protocol import (Stats, System, config_hash, differing_settings, measure, schedule,
-                                  write_csv)
+from periodic_async.bench.protocol import Stats, System, config_hash, differing_settings, measure, schedule
+from periodic_async.bench.tables import write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.records import git_commit
 

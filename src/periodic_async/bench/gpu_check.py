@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import csv
 import hashlib
 import json
 import logging
@@ -180,14 +179,11 @@ class Table:
         self.path, self.prov, self.rows = path, prov, []
 
     def add(self, **row) -> dict:
+        from periodic_async.bench.tables import write_csv
+
         row = {**self.prov, **row}
         self.rows.append(row)
-        columns = list(dict.fromkeys(k for r in self.rows for k in r))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=columns, restval="")
-            w.writeheader()
-            w.writerows(self.rows)
+        write_csv(self.path, self.rows, provenance=False)  # its provenance columns: `provenance`
         shown = {k: v for k, v in row.items() if k not in self.prov}
         print(f"[{self.path.stem}] " + ", ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
         return row

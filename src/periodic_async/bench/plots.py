@@ -11,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
+from periodic_async.bench.tables import read_csv
 from periodic_async.trace import read_jsonl
+
 
 def _pyplot():
     import matplotlib
@@ -84,11 +86,9 @@ def plot_timeline(runs: Sequence[tuple[str, str | Path]], out_path: str | Path, 
 
 def plot_async_speedup(csv_path: str | Path, out_path: str | Path):
     """Bar chart of results/async_speedup.csv: speedup over sync-separated per mode, and the bound."""
-    import csv
-
     plt = _pyplot()
 
-    rows = list(csv.DictReader(Path(csv_path).open()))
+    rows = read_csv(csv_path)
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     speedups = [float(r["speedup_vs_sync_separated"]) for r in rows]
     err = None
@@ -111,11 +111,9 @@ def plot_reward_curves(csv_path: str | Path, out_path: str | Path):
     """results/reward_curves.csv, one line per mode: training reward per iteration (left),
     held-out greedy accuracy with binomial standard-error bars (middle), and the staleness the
     off-policy mode trains with, mean |ratio - 1| and clip fraction (right; 0 on-policy)."""
-    import csv
-
     plt = _pyplot()
 
-    rows = list(csv.DictReader(Path(csv_path).open()))
+    rows = read_csv(csv_path)
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     styles = {"sync-separated": ("-", "#4C72B0"), "periodic-async": ("--", "#C44E52"),
               "async-offpolicy": (":", "#55A868")}
@@ -157,10 +155,8 @@ def plot_reward_vs_time(csv_path: str | Path, out_path: str | Path):
     """results/reward_curves*.csv against wall-clock time (its time_s column): training reward
     (left) and held-out accuracy with ±1 s.e. (right), one line per mode. On-policy modes that
     sample the same tokens draw the same curve; the faster one reaches each point sooner."""
-    import csv
-
     plt = _pyplot()
-    rows = list(csv.DictReader(Path(csv_path).open()))
+    rows = read_csv(csv_path)
     styles = {"sync-separated": ("-", "#4C72B0"), "periodic-async": ("--", "#C44E52"),
               "async-offpolicy": (":", "#55A868")}
     num = lambda r, k: r.get(k) not in (None, "")  # noqa: E731
@@ -197,11 +193,9 @@ def plot_equivalence(csv_path: str | Path, out_path: str | Path):
     """results/equivalence.csv: per iteration, the largest weight difference between the sync
     and async runs (log scale; an exact 0 is drawn at the floor) and the fraction of samples
     identical in both, for the method (one optimizer step) and the negative control."""
-    import csv
-
     plt = _pyplot()
 
-    rows = list(csv.DictReader(Path(csv_path).open()))
+    rows = read_csv(csv_path)
     floor = 1e-18
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     for case, style in zip(dict.fromkeys(r["case"] for r in rows), ("o-", "s--", "^-", "v--", "d:")):
@@ -223,16 +217,14 @@ def plot_table2(csv_path: str | Path, out_path: str | Path, batch_csv: str | Pat
     """Table 2 (results/table2_throughput.csv): tokens/s over trl-grpo per system, one panel per
     setting, per-response and shared-prompt side by side, min-max of the paired ratios as error
     bars; with `batch_csv` (results/table2_batch_effect.csv) a last panel: tokens/s against B."""
-    import csv
-
     from matplotlib.patches import Patch
     from matplotlib.ticker import FuncFormatter
 
     plt = _pyplot()
 
-    rows = list(csv.DictReader(Path(csv_path).open()))
+    rows = read_csv(csv_path)
     settings = list(dict.fromkeys(r["setting"] for r in rows))
-    batch = list(csv.DictReader(Path(batch_csv).open())) if batch_csv and Path(batch_csv).is_file() else []
+    batch = read_csv(batch_csv) if batch_csv and Path(batch_csv).is_file() else []
     panels = len(settings) + (1 if batch else 0)
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.6), squeeze=False)
     colors = {"False": "#8DA0CB", "True": "#C44E52"}
@@ -282,11 +274,8 @@ def plot_scaling(measured_csv: str | Path, simulated_csv: str | Path, out_path: 
     time (median, min-max) beside the calibrated simulator's; (2) SIMULATED trained tokens/s
     against devices, best split per mode, per device type, with linear scaling from the
     smallest total; (3) SIMULATED tokens/s against the inference share of the devices."""
-    import csv
-
     plt = _pyplot()
-    meas = list(csv.DictReader(Path(measured_csv).open()))
-    sim = list(csv.DictReader(Path(simulated_csv).open()))
+    meas, sim = read_csv(measured_csv), read_csv(simulated_csv)
     colors = {"sync-colocated": "#4C72B0", "sync-separated": "#999999", "periodic-async": "#C44E52"}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     ax = axes[0]
@@ -347,13 +336,10 @@ def plot_fig1(results: str | Path, figures: str | Path, modes: Sequence[str] = (
     """<figures>/fig1_timeline.png, the paper's Figure 1 from <results>/fig1_timeline.csv and the
     traces in <results>/fig1/ (experiments/fig1_timeline.py): one panel per mode, titled with
     the order in which the trainer took its first iteration's requests (numbered 1..B)."""
-    import csv
-
     results = Path(results)
-    with (results / "fig1_timeline.csv").open() as f:
-        first: dict[str, dict] = {}
-        for r in csv.DictReader(f):
-            first.setdefault(r["mode"], r)
+    first: dict[str, dict] = {}
+    for r in read_csv(results / "fig1_timeline.csv"):
+        first.setdefault(r["mode"], r)
     panels = [(f"{m}: {len(first[m]['trained_order'].split())} requests, trained in order "
                f"{first[m]['trained_order']}", results / "fig1" / f"{m}.trace.jsonl") for m in modes]
     return plot_timeline(panels, Path(figures) / "fig1_timeline.png", bar_label=request_number)
@@ -363,11 +349,8 @@ def plot_shared_prompt(csv_path: str | Path, out_path: str | Path):
     """results/shared_prompt.csv (experiments/shared_prompt_ablation.py): speedup of shared-prompt
     packing against its token bound (G*P + sum R) / (P + sum R) per grid point, and the share of
     the bound kept (efficiency) per back-end. The paper reports about 8x on long prompts."""
-    import csv
-
     plt = _pyplot()
-    with open(csv_path) as f:
-        rows = list(csv.DictReader(f))
+    rows = read_csv(csv_path)
     points = sorted({(int(r["P"]), int(r["G"]), int(r["R"])) for r in rows})
     backends = sorted({r["backend"] for r in rows})
     by = {(int(r["P"]), int(r["G"]), int(r["R"]), r["backend"]): r for r in rows}

@@ -4,7 +4,7 @@ engine): the compared systems run interleaved, repeated, and reported as median 
     systems = [System("sync", lambda: run(cfg_a), settings=cfg_a), System("async", ..., settings=cfg_b)]
     results = measure(systems, repeats=3, warmup_rounds=0)      # A B A B A B
     rows = [results["async"].row(["tokens_per_s"]) | {...} for ...]
-    write_csv("results/x.csv", rows)
+    write_csv("results/x.csv", rows)                             # bench/tables.py
 
 Rules it enforces:
 - **Interleaved**: round r runs every system once, in the order given (A B C A B C ...), so a
@@ -25,7 +25,6 @@ Rules it enforces:
 
 from __future__ import annotations
 
-import csv
 import ctypes
 import dataclasses
 import gc
@@ -38,8 +37,8 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
+from periodic_async.records import git_commit
 from periodic_async.pipeline import build_engine
-from periodic_async.records import cpu_name, git_commit
 
 
 @dataclass
@@ -214,38 +213,6 @@ def release_memory() -> tuple[float, float]:
     except (OSError, AttributeError):
         pass
     return before, _resident_mib()
-
-
-STAMP = ("git_commit", "cpu")
-"""The columns `write_csv` adds to every row that lacks them: the tree and the machine (CPU model,
-vector unit, cores: `records.cpu_name`) that measured it."""
-
-
-def stamp(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`rows` with `git_commit` and `cpu` where a row lacks the key (a row that has it, even
-    empty, as one read back from an older CSV, keeps its value)."""
-    here = {"git_commit": git_commit(), "cpu": cpu_name()}
-    return [{**r, **{k: v for k, v in here.items() if k not in r}} for r in rows]
-
-
-def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
-              provenance: bool = True) -> Path:
-    """Write `rows` with `columns` (default: the union of keys, in first-seen order); missing
-    values are empty cells. Creates the parent directory. With `provenance` every row is stamped
-    (`stamp`) and the stamp's columns end the header when `columns` lacks them."""
-    if provenance:
-        rows = stamp(rows)
-        if columns is not None:
-            columns = list(columns) + [c for c in STAMP if c not in columns]
-    if columns is None:
-        columns = list(dict.fromkeys(k for r in rows for k in r))
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with p.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(columns), restval="", extrasaction="raise")
-        w.writeheader()
-        w.writerows(rows)
-    return p
 
 
 class SharedEngines:
