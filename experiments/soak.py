@@ -97,7 +97,7 @@ class Sampler(threading.Thread):
                       queue_depth_max=m.get("pipeline/queue_depth_max", ""),
                       worker_restarts=m.get("engine/worker_restarts", ""),
                       trace_mib=round(trace.stat().st_size / 2**20, 3) if trace.exists() else 0.0, event=event)
-        procs = [("trainer", os.getpid())] + [(f"worker{w}", pid) for w, pid in enumerate(list(self.engine.pids))]
+        procs = [("trainer", os.getpid())] + [(f"worker{w.index}", w.pid) for w in list(self.engine.workers)]
         self.rows += [{**common, "process": name, "pid": pid, "rss_mib": round(rss_mib(pid), 2), "fds": open_fds(pid)}
                       for name, pid in procs]
         write_csv(self.csv_path, self.rows, COLUMNS)
@@ -108,7 +108,7 @@ class Sampler(threading.Thread):
                 iteration = m["step"]  # iterations completed
                 event = ""
                 if self.kill_at is not None and self.killed_pid is None and iteration >= self.kill_at:
-                    self.killed_pid = self.engine.pids[1]
+                    self.killed_pid = self.engine.workers[1].pid
                     os.kill(self.killed_pid, signal.SIGKILL)
                     event = f"SIGKILL worker1 pid {self.killed_pid}"
                     print(f"[soak] iteration {iteration}: {event}", flush=True)
@@ -142,7 +142,7 @@ def run_leg(args, overrides: list[str]) -> None:
             print(f"[soak] restart: worker {r['worker']} pid {r['old_pid']} -> {r['new_pid']} at version "
                   f"{r['version']}, {len(r['resent'])} requests re-sent", flush=True)
         (Path(args.runs) / f"soak_leg{leg}.json").write_text(json.dumps(
-            {"restarts": engine.restarts, "killed_pid": sampler.killed_pid, "pids": engine.pids}))
+            {"restarts": engine.restarts, "killed_pid": sampler.killed_pid, "pids": [w.pid for w in engine.workers]}))
     finally:
         sampler.stop.set()
         engine.close()

@@ -164,7 +164,7 @@ def worker_weights(engine) -> list[dict]:
     def get(worker):
         return {k: v.clone() for k, v in worker.batcher.model.state_dict().items()}
 
-    return ray.get([w.__ray_call__.remote(get) for w in engine.workers])
+    return ray.get([w.actor.__ray_call__.remote(get) for w in engine.workers])
 
 
 # --- the order: the longest modules first (under pytest-xdist, whole modules go to whichever worker is free:

@@ -207,7 +207,7 @@ def test_run_pins_engine_worker_trainer_and_producer(ray_session, tmp_path, toke
         finally:
             done.set()
             watcher.join()
-        status = Path(f"/proc/{engine.pids[0]}/status").read_text()
+        status = Path(f"/proc/{engine.workers[0].pid}/status").read_text()
         worker = next(ln.split(":")[1].strip() for ln in status.splitlines() if ln.startswith("Cpus_allowed_list"))
     info = json.loads((tmp_path / "run" / "run_info.json").read_text())["cpu_affinity"]
     assert info["engines"] == [[CORES[0]]] and info["engines_actual"] == [[CORES[0]]]

@@ -309,7 +309,7 @@ def test_worker_placement_groups_follow_workers(ray_session, model_cfg, tokenize
     is removed when the worker is restarted (SIGKILL, found dead by generate), removed, or the
     engine closes. With every CPU of the cluster already reserved (a loaded machine) the workers
     still start: their bundles reserve no CPU (a token of memory) and they share the cores."""
-    from periodic_async.engine.ray_engine import TOKEN_BUNDLE
+    from periodic_async.engine.ray_cluster import TOKEN_BUNDLE
 
     ray = ray_session
     hog = ray.util.placement_group([{"CPU": ray.available_resources()["CPU"]}])  # every free CPU
@@ -317,20 +317,20 @@ def test_worker_placement_groups_follow_workers(ray_session, model_cfg, tokenize
     engine = make_engine(EngineConfig(backend="ray", num_workers=2, max_num_seqs=2, timeout_s=60, restart_workers=1),
                          model_cfg)
     try:
-        first = list(engine.groups)
+        first = [w.group for w in engine.workers]
         assert [_group_state(g) for g in first] == ["CREATED", "CREATED"]
         assert all(g.bundle_specs == [TOKEN_BUNDLE] for g in first)
-        in_group = ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_placement_group_id())
+        in_group = ray.get([w.actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_placement_group_id())
                             for w in engine.workers])
         assert in_group == [g.id.hex() for g in first]  # each actor runs inside its own group
 
-        os.kill(engine.pids[1], signal.SIGKILL)
+        os.kill(engine.workers[1].pid, signal.SIGKILL)
         outs = list(engine.generate([req(tokenizer, f"p{i}", f"placed {i}", max_tokens=4) for i in range(2)]))
         assert len(engine.restarts) == 1 and {o.worker for o in outs} == {0, 1}
-        assert _group_state(first[1]) == "REMOVED" and _group_state(engine.groups[1]) == "CREATED"
-        assert engine.groups[0] is first[0]
+        assert _group_state(first[1]) == "REMOVED" and _group_state(engine.workers[1].group) == "CREATED"
+        assert engine.workers[0].group is first[0]
 
-        restarted = engine.groups[1]
+        restarted = engine.workers[1].group
         engine.remove_workers(1)
         assert _group_state(restarted) == "REMOVED" and _group_state(first[0]) == "CREATED"
     finally:
@@ -402,7 +402,7 @@ def test_workers_share_a_gpu_by_fractions(ray_session, model_cfg, tokenizer):
                                       max_num_seqs=2, timeout_s=120), cfg)
     try:
         assert {i["device"] for i in engine.info()} == {"cuda:0"}
-        assert all(g.bundle_specs == [{"CPU": 1.0, "GPU": 0.5}] for g in engine.groups)
+        assert all(g.bundle_specs == [{"CPU": 1.0, "GPU": 0.5}] for g in [w.group for w in engine.workers])
         outs = list(engine.generate([req(tokenizer, f"g{i}", f"gpu {i}", max_tokens=4) for i in range(2 * gpus)]))
         assert {o.worker for o in outs} == set(range(2 * gpus))
     finally:

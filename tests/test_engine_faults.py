@@ -114,7 +114,7 @@ def test_worker_killed_mid_iteration(ray_session, tokenizer_dir, tmp_path, kill_
     engine = make_engine(cfg.engine, cfg.model)
     try:
         assert cfg.engine.timeout_s == 600 and cfg.engine.restart_workers == 0
-        state = kill_worker(engine.pids[1])
+        state = kill_worker(engine.workers[1].pid)
         with pytest.raises(EngineError, match=r"worker 1 failed .*it1-.*died") as err:
             run(cfg, engine=engine)
         stopped_after = time.time() - json.loads(state.read_text())["killed_at"]
@@ -136,10 +136,10 @@ def test_worker_restarted_run_continues(ray_session, reference, tokenizer_dir, t
     cfg = _cfg(tmp_path / "restarted", tokenizer_dir, **{"engine.restart_workers": 1})
     engine = make_engine(cfg.engine, cfg.model)
     try:
-        old_pid = engine.pids[1]
+        old_pid = engine.workers[1].pid
         state = kill_worker(old_pid)
         run(cfg, engine=engine)
-        restarts, pids = engine.restarts, list(engine.pids)
+        restarts, pids = engine.restarts, [w.pid for w in engine.workers]
     finally:
         engine.close()
     assert "killed_at" in json.loads(state.read_text()), "the kill must have happened"

@@ -253,7 +253,7 @@ def test_ray_workers_serve_the_pushed_adapter(ray_session, lora_cfg, policy, tok
         import periodic_async
 
         here = periodic_async.__file__
-        there = ray.get(engine.workers[0].__ray_call__.remote(lambda _: __import__("periodic_async").__file__))
+        there = ray.get(engine.workers[0].actor.__ray_call__.remote(lambda _: __import__("periodic_async").__file__))
         assert there == here, f"the worker imports {there}, not {here}"
         probe = probe_tokens(policy.config.vocab_size)
         reference = model_logprobs(policy, probe)

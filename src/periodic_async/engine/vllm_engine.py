@@ -447,7 +447,6 @@ class VLLMEngine(Engine):
                                        **llm_kwargs)
         except VLLMStartError as e:
             raise EngineError(f"did not start: {e}", 0) from e
-        self._active = False
         self.last_sync: dict[str, float] = {}
 
     @property
@@ -464,25 +463,21 @@ class VLLMEngine(Engine):
         return self.batcher
 
     def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
-        if self._active:  # a real check: python -O keeps it
-            raise RuntimeError("one generate() at a time")
-        batcher = self._open()
-        self._active = True
-        try:
-            batcher.submit(requests)
-            while batcher.has_work:
-                yield from batcher.step()
-        except EngineError:
-            raise
-        except Exception as e:
-            raise EngineError(f"vLLM: {_cause(e)}", 0, [r.request_id for r in requests]) from e
-        finally:
-            batcher.reset()  # abandoned or failed: free vLLM's slots
-            self._active = False
+        with self._generating():
+            batcher = self._open()
+            try:
+                batcher.submit(requests)
+                while batcher.has_work:
+                    yield from batcher.step()
+            except EngineError:
+                raise
+            except Exception as e:
+                raise EngineError(f"vLLM: {_cause(e)}", 0, [r.request_id for r in requests]) from e
+            finally:
+                batcher.reset()  # abandoned or failed: free vLLM's slots
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
-        if self._active:  # a real check: python -O keeps it
-            raise RuntimeError("update_weights during generate() would mix versions")
+        self._idle("update_weights during generate() would mix versions")
         t = time.perf_counter()
         try:
             self._open().update_weights(state_dict, version)
@@ -497,8 +492,7 @@ class VLLMEngine(Engine):
         return total
 
     def probe_logprobs(self, token_ids: list[int]) -> dict[int, np.ndarray]:
-        if self._active:  # a real check: python -O keeps it
-            raise RuntimeError("probe_logprobs during generate()")
+        self._idle("probe_logprobs during generate()")
         try:
             return {0: self._open().probe_logprobs(token_ids)}
         except EngineError:

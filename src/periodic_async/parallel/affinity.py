@@ -236,7 +236,7 @@ class Pinned:
     def report(self, engine=None) -> dict:
         """What run_info.json records: the cores asked for (trainer, producer, engines) and those
         each process runs on now (`*_actual`; the engine's from its workers, when it reports them)."""
-        info = engine.info() if hasattr(engine, "info") else []
+        info = engine.info() if engine is not None else []
         return {"trainer": self.plan.trainer, "producer": self.plan.producer, "engines": self.plan.engines,
                 "trainer_actual": available_cores(),
                 "engines_actual": [w.get("cpu_affinity") for w in info if isinstance(w, dict)] or None}
