@@ -1,12 +1,15 @@
 """The package's layout: the paper's parts at the top, plumbing in subpackages, no import cycle.
 
 Every `import periodic_async...` is counted, including those inside functions (a cycle hidden
-behind a function-level import is still a cycle), and the graph of modules must be acyclic.
+behind a function-level import is still a cycle), and so is every string import of a package
+module (`importlib.import_module("periodic_async.x")`, a 'periodic_async.x:function' spec run
+by a worker process, code in a string): the graph of modules must be acyclic.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import periodic_async
@@ -23,24 +26,33 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+def module_imports(source: str, modules: set[str], name: str = "") -> set[str]:
+    """The package modules `source` imports, by statement or by string. `from pkg import name`
+    counts as importing `pkg.name` when that is a module, else `pkg`. A string in code counts when
+    it is a module's name, a 'module:function' spec, or code importing a module ('from m import
+    f'). Not counted: documentation (a string standing as a statement) and a class-level field
+    default (a setting's value, which the user may replace: what resolves it is counted there)."""
+    tree = ast.parse(source)
+    skip = {id(s.value) for s in ast.walk(tree) if isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)}
+    skip |= {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for s in c.body
+             if isinstance(s, ast.AnnAssign) and s.value is not None for n in ast.walk(s.value)}
+    targets: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            targets += [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                        for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            targets.append(node.value.split(":")[0] if re.fullmatch(r"[\w.]+(:\w+)?", node.value) else "")
+            targets += re.findall(r"(?:^|[\s;])(?:from|import)\s+([\w.]+)", node.value)
+    return {t for t in targets if t in modules and t != name}
+
+
 def import_graph() -> dict[str, set[str]]:
-    """module -> the package modules it imports (anywhere in its body). `from pkg import name`
-    counts as importing `pkg.name` when that is a module, else `pkg`."""
+    """module -> the package modules it imports, anywhere in its body (`module_imports`)."""
     modules = _modules()
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                           for a in node.names]
-            else:
-                continue
-            deps |= {t for t in targets if t in modules and t != name}
-        graph[name] = deps
-    return graph
+    return {name: module_imports(path.read_text(), set(modules), name) for name, path in modules.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -80,6 +92,29 @@ def test_cycle_finder_finds_a_cycle():
     """Negative control: the checker reports a cycle when one is there."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_string_imports_are_edges():
+    """Negative control: a module imported by a string (`import_module`, a worker's
+    'module:function' spec or warm-up, code run by `python -c`) is an edge; documentation and a
+    setting's default value are not."""
+    modules = {"p.a", "p.b", "p.c", "p.d", "p.e", "p.f"}
+    source = '''"""Names p.f:g in its docstring."""
+import importlib
+importlib.import_module("p.a")
+worker = TimedWorker(warmup=[("p.b:g", [1])])
+code = f"import sys; sys.path[:] = {path!r}; from p.c import main; main()"
+
+class Config:
+    spec: str = "p.d:g"
+    """As a setting: p.e:g."""
+'''
+    assert module_imports(source, modules) == {"p.a", "p.b", "p.c"}
+    # the reward worker before its warm-ups were given by its callers: a circle through a string
+    worker = 'import importlib\nimportlib.import_module("p.functions").worker_reward_fn(spec)'
+    graph = {"p.functions": module_imports("from p.worker import TimedWorker", {"p.functions", "p.worker"}),
+             "p.worker": module_imports(worker, {"p.functions", "p.worker"})}
+    assert find_cycle(graph) == ["p.functions", "p.worker", "p.functions"]
 
 
 def test_paper_parts_stand_at_the_top():

@@ -117,9 +117,9 @@ def test_bounded_worker_kills_a_call_that_overruns():
     import threading
     import time
 
-    from periodic_async.reward import BoundedWorker, WorkerError
+    from periodic_async.reward import TimedWorker, WorkerError
 
-    worker = BoundedWorker()
+    worker = TimedWorker()
     seen = {}
 
     def body():
@@ -353,9 +353,9 @@ def stray_reply(prompts, completions, marker, kind, **kw):
     an unreadable one), as corrupting code could; the parent must not take it as this call's."""
     if not Path(marker[0]).exists():
         Path(marker[0]).write_text("done")
-        from periodic_async.reward import sandbox
-        sandbox._reply.write('{"id": -1, "result": [9.0]}\\n' if kind[0] == "id" else "0.5\\n")
-        sandbox._reply.flush()
+        from periodic_async.reward import worker
+        worker._reply.write('{"id": -1, "result": [9.0]}\\n' if kind[0] == "id" else "0.5\\n")
+        worker._reply.flush()
     return [float(len(c)) for c in completions]
 '''
 
@@ -387,7 +387,7 @@ def test_reward_worker_that_keeps_dying_stops_the_run(tmp_path):
     """A user reward whose worker dies on every call: tried MAX_DEATHS (3) times in a row, then
     one line naming the function and the exit code."""
     from periodic_async.reward import RewardError
-    from periodic_async.reward.sandbox import MAX_DEATHS
+    from periodic_async.reward.worker import MAX_DEATHS
 
     reward = _user_reward(tmp_path, "always_dies")
     tries = tmp_path / "tries"
@@ -427,9 +427,9 @@ def test_bounded_worker_killed_between_calls_is_replaced():
     import signal
     import time
 
-    from periodic_async.reward import BoundedWorker
+    from periodic_async.reward import TimedWorker
 
-    worker = BoundedWorker()
+    worker = TimedWorker()
     try:
         for wait_s in (0.0, 0.5):
             pid = worker.call("os:getpid", timeout_s=60)
@@ -495,17 +495,17 @@ def test_bounded_worker_cpus_hold_across_restarts():
     import os
     import signal
 
-    from periodic_async.reward import BoundedWorker
+    from periodic_async.reward import TimedWorker
 
-    worker = BoundedWorker(cpus=[0])
+    worker = TimedWorker(cpus=[0])
     try:
-        assert worker.call("periodic_async.reward.sandbox:cpu_affinity", timeout_s=60) == [0]
+        assert worker.call("periodic_async.reward.worker:cpu_affinity", timeout_s=60) == [0]
         os.kill(worker.pid, signal.SIGKILL)
-        assert worker.call("periodic_async.reward.sandbox:cpu_affinity", timeout_s=60) == [0]
+        assert worker.call("periodic_async.reward.worker:cpu_affinity", timeout_s=60) == [0]
     finally:
         worker.close()
     with pytest.raises(ValueError, match=r"cpus=\[\]: expected a non-empty list of CPU ids"):
-        BoundedWorker(cpus=[])
+        TimedWorker(cpus=[])
 
 
 def test_default_worker_cpus_apply_to_later_workers():
@@ -513,17 +513,17 @@ def test_default_worker_cpus_apply_to_later_workers():
     start; None restores the default (the caller's CPUs)."""
     import os
 
-    from periodic_async.reward import BoundedWorker, set_worker_cpus
+    from periodic_async.reward import TimedWorker, set_worker_cpus
 
-    worker = BoundedWorker()
+    worker = TimedWorker()
     cpu = max(os.sched_getaffinity(0))
     set_worker_cpus([cpu])
     try:
-        assert worker.call("periodic_async.reward.sandbox:cpu_affinity", timeout_s=60) == [cpu]
+        assert worker.call("periodic_async.reward.worker:cpu_affinity", timeout_s=60) == [cpu]
     finally:
         set_worker_cpus(None)
         worker.close()
-    assert worker.call("periodic_async.reward.sandbox:cpu_affinity", timeout_s=60) == sorted(os.sched_getaffinity(0))
+    assert worker.call("periodic_async.reward.worker:cpu_affinity", timeout_s=60) == sorted(os.sched_getaffinity(0))
     worker.close()
 
 
@@ -531,9 +531,9 @@ def test_math_verify_worker_that_keeps_dying_stops_the_run(monkeypatch):
     """math-verify's worker dying on every comparison (here its verify_math exits the process):
     after MAX_DEATHS tries the run stops with one line, not scores of 0 for ever."""
     pytest.importorskip("math_verify")
-    from periodic_async.reward import BoundedWorker, RewardError, answers, math_reward
+    from periodic_async.reward import TimedWorker, RewardError, answers, math_reward
 
-    dying = BoundedWorker(warmup=[("builtins:exec", ["import os, periodic_async.reward.answers as a; "
+    dying = TimedWorker(warmup=[("builtins:exec", ["import os, periodic_async.reward.answers as a; "
                                                      "a.verify_math = lambda *args: os._exit(5)"])])
     monkeypatch.setattr(answers, "_math_worker", dying)
     try:

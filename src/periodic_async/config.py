@@ -264,7 +264,7 @@ class RewardConfig:
     """What the reported accuracy counts (per-iteration `accuracy`, held-out `eval/accuracy`,
     `python -m periodic_async eval`): a function of the reward functions' shape and arguments
     returning one score in [0, 1] per completion, averaged; it runs like them (user functions in
-    the bounded worker). Default: the math correctness reward (1 when the final answer equals
+    the timed worker process). Default: the math correctness reward (1 when the final answer equals
     the ground truth). A non-math task names its own."""
     timeout_s: float = 300.0
     """Wall-clock bound of one call of a user reward function (one group). User functions (any

@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-import functools
 import inspect
 import itertools
 import json
@@ -257,10 +256,11 @@ SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "c
 get_constant_schedule), "constant_with_warmup" has."""
 
 
-@dataclass
+@dataclass(init=False)
 class GRPOConfig:
     """TRL 1.16's GRPOConfig names and defaults for what this pipeline does, plus our own settings
-    (the last block). docs/trl.md maps each field; `run_config()` gives the `RunConfig`."""
+    (the last block). docs/trl.md maps each field; `run_config()` gives the `RunConfig`. The
+    constructor also takes TRL's other fields (see `__init__`)."""
 
     output_dir: str | None = None
     """Where the run writes (trainer.output_dir); None: 'trainer_output', as TRL."""
@@ -359,7 +359,39 @@ class GRPOConfig:
     no_effect: dict[str, Any] = field(default_factory=dict, repr=False)
     """The NO_EFFECT fields this config was given (filled by the constructor)."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        """The fields above by keyword (or by position, in their order), each at its default when
+        left out; any other TRL field is taken with no effect (kept in `no_effect`), taken at the
+        one value that means what we do, or refused: one `ConfigError` line (module docstring)."""
+        fields = [f for f in dataclasses.fields(self) if f.name != "no_effect"]
+        if len(args) > len(fields):
+            raise TypeError(f"GRPOConfig() takes at most {len(fields)} positional arguments, {len(args)} were given")
+        for f, value in zip(fields, args):
+            if f.name in kwargs:
+                raise TypeError(f"GRPOConfig() got multiple values for argument {f.name!r}")
+            kwargs[f.name] = value
+        self.no_effect = dict(kwargs.pop("no_effect", None) or {})  # dataclasses.replace passes it back
+        names = {f.name for f in fields}
+        for name in [n for n in kwargs if n not in names]:
+            value = kwargs.pop(name)
+            if name in REFUSED:
+                if _off(value):  # TRL's default: the feature is off
+                    continue
+                raise ConfigError(f"GRPOConfig({name}=...): not supported here ({REFUSED[name]})")
+            if name in ONLY_DEFAULT:
+                default, why = ONLY_DEFAULT[name]
+                if value != default:
+                    raise ConfigError(f"GRPOConfig({name}={value!r}): not supported here ({why}); leave it at "
+                                      f"{default!r}")
+                continue
+            if name not in NO_EFFECT:
+                raise ConfigError(f"GRPOConfig({name}=...): not a field we take (neither mapped nor known to have no "
+                                  "effect here; docs/trl.md lists them), so it is refused rather than ignored")
+            self.no_effect[name] = value
+        for f in fields:
+            setattr(self, f.name, kwargs[f.name] if f.name in kwargs else
+                    f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        # the values, normalised and checked
         for name in ("lr_scheduler_type", "optim", "save_strategy", "eval_strategy"):  # transformers' enums: names
             value = getattr(self, name)
             setattr(self, name, getattr(value, "value", value))
@@ -558,36 +590,6 @@ def _accelerator() -> bool:
     import torch
 
     return torch.cuda.is_available() or (hasattr(torch, "npu") and torch.npu.is_available())
-
-
-_FIELDS = {f.name for f in dataclasses.fields(GRPOConfig)} - {"no_effect"}
-_dataclass_init = GRPOConfig.__init__
-
-
-@functools.wraps(_dataclass_init)
-def _init(self, *args, **kwargs) -> None:
-    no_effect = dict(kwargs.pop("no_effect", None) or {})  # dataclasses.replace passes it back
-    for name in list(kwargs):
-        if name in _FIELDS:
-            continue
-        value = kwargs.pop(name)
-        if name in REFUSED:
-            if _off(value):  # TRL's default: the feature is off
-                continue
-            raise ConfigError(f"GRPOConfig({name}=...): not supported here ({REFUSED[name]})")
-        if name in ONLY_DEFAULT:
-            default, why = ONLY_DEFAULT[name]
-            if value != default:
-                raise ConfigError(f"GRPOConfig({name}={value!r}): not supported here ({why}); leave it at {default!r}")
-            continue
-        if name not in NO_EFFECT:
-            raise ConfigError(f"GRPOConfig({name}=...): not a field we take (neither mapped nor known to have no "
-                              "effect here; docs/trl.md lists them), so it is refused rather than ignored")
-        no_effect[name] = value
-    _dataclass_init(self, *args, no_effect=no_effect, **kwargs)
-
-
-GRPOConfig.__init__ = _init
 
 
 # --- data and rewards ------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import re
 import threading
 from fractions import Fraction
 
-from periodic_async.reward.sandbox import BoundedWorker, WorkerDied
+from periodic_async.reward.worker import TimedWorker, WorkerDied
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def answers_match(pred: str | None, truth: str) -> bool:
 # MATH_VERIFY_TIMEOUT_S kills the worker (a fresh one starts on the next call), so a
 # pathological expression cannot hang the run. Errors and timeouts score 0, are counted
 # (`math_verify_stats()`) and logged, never swallowed. A worker that dies is replaced and the
-# comparison sent again (sandbox.py); one that dies MAX_DEATHS times in a row raises
+# comparison sent again (worker.py); one that dies MAX_DEATHS times in a row raises
 # `WorkerDied`, which `correctness_reward` turns into the run's `RewardError`.
 
 MATH_VERIFY_TIMEOUT_S = 5.0
@@ -104,7 +104,7 @@ MATH_VERIFY_TIMEOUT_S = 5.0
 
 def verify_math(pred_text: str, truth: str) -> bool:
     """math-verify's equivalence with its signal-based timeouts disabled (any thread, no bound:
-    call it through a `BoundedWorker`). Raises on math-verify errors."""
+    call it through a `TimedWorker`). Raises on math-verify errors."""
     from math_verify import parse, verify
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": we bound it ourselves
@@ -113,7 +113,7 @@ def verify_math(pred_text: str, truth: str) -> bool:
     return bool(verify(gold, pred, timeout_seconds=None, raise_on_error=True))
 
 
-_math_worker: BoundedWorker | None = None
+_math_worker: TimedWorker | None = None
 _math_stats = {"calls": 0, "equal": 0, "errors": 0, "timeouts": 0}
 _math_lock = threading.Lock()
 
@@ -138,7 +138,7 @@ def math_verify_equal(pred_text: str, truth: str, timeout_s: float | None = None
         raise ImportError("math_reward needs math-verify: pip install 'periodic-async[math]'")
     with _math_lock:
         if _math_worker is None:
-            _math_worker = BoundedWorker(warmup=[("importlib:import_module", ["math_verify"])])
+            _math_worker = TimedWorker(warmup=[("importlib:import_module", ["math_verify"])])
     _count("calls")
     timeout_s = MATH_VERIFY_TIMEOUT_S if timeout_s is None else timeout_s
     try:

@@ -6,14 +6,14 @@ where kwargs carry every column of the dataset, one value per completion (`data.
 (`TrainerState`). The producer scores each finished group
 with the weighted sum of the configured functions (`combined_reward`), and its accuracy with
 `reward.accuracy_function` (`make_accuracy`, scores in [0, 1]; held-out evaluation uses it too).
-Answers are parsed and compared in answers.py; user functions run in sandbox.py's worker.
+Answers are parsed and compared in answers.py; user functions run in worker.py's timed worker process.
 
 Guarantees: a user reward function (any not defined in this module) runs in a worker process
 with a wall-clock bound per call (`reward.timeout_s`): one that hangs is killed and the run
 stops with a `RewardError` naming it; one that raises, returns a non-number, the wrong count
 or a NaN/inf stops the run with a `RewardError` naming it and the value (the producer adds
 the iteration and prompt). A worker that dies (a crash, `os._exit`, killed from outside) is
-replaced and the call sent again; only one that dies `sandbox.MAX_DEATHS` (3) times in a row
+replaced and the call sent again; only one that dies `worker.MAX_DEATHS` (3) times in a row
 stops the run, with a `RewardError` naming the function; restarts are counted in the run's
 metrics (`reward_stats`). Reward code is loaded only from the module or file the user names
 in `reward.functions`; the worker resolves imports with the caller's `sys.path`, never adding
@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 from periodic_async.config import RewardConfig, UserError
 from periodic_async.reward.answers import answers_match, extract_answer, math_verify_equal
-from periodic_async.reward.sandbox import BoundedWorker, WorkerDied, WorkerError, worker_restarts
+from periodic_async.reward.worker import TimedWorker, WorkerDied, WorkerError, worker_restarts
 
 RewardFn = Callable[..., list[float]]
 
@@ -156,7 +156,7 @@ def _checked(name: str, r, n: int) -> list[float]:
     return values
 
 
-def _start_quietly(worker: BoundedWorker) -> None:
+def _start_quietly(worker: TimedWorker) -> None:
     """Start the worker in the background; a failure is reported by the first call, which retries."""
     try:
         worker.start()
@@ -170,9 +170,9 @@ def combined_reward(fns: Sequence[RewardFn | str], weights: Sequence[float], tim
     Checks each returns one finite number per completion and raises `RewardError` naming the
     function and the bad value otherwise (a NaN reward would otherwise become NaN advantages,
     gradients and weights). With `timeout_s` > 0 every spec not defined in this module runs in
-    one worker process (`BoundedWorker`, started now in the background), each call bounded by
+    one worker process (`TimedWorker`, started now in the background), each call bounded by
     `timeout_s`: a call that overruns kills the worker and raises `RewardError` saying so; a
-    worker that dies is replaced (see the module's docstring). Its CPUs: `sandbox.set_worker_cpus`.
+    worker that dies is replaced (see the module's docstring). Its CPUs: `worker.set_worker_cpus`.
     Specs are loaded here too, so a bad one fails at start-up. Callables and this module's
     functions run in the calling thread. The worker stops when the returned function is
     garbage-collected, at exit, or on its `close()`."""
@@ -190,7 +190,7 @@ def combined_reward(fns: Sequence[RewardFn | str], weights: Sequence[float], tim
             entries.append((getattr(f, "__name__", repr(f)), f, None))
     # the worker loads the specs before it reports ready, so their import is no call's budget
     warmup = [("periodic_async.reward.functions:worker_reward_fn", [spec]) for spec in remote]
-    worker = BoundedWorker(warmup=warmup) if remote else None
+    worker = TimedWorker(warmup=warmup) if remote else None
     if worker is not None:
         threading.Thread(target=_start_quietly, args=(worker,), daemon=True, name="reward-worker-start").start()
 
@@ -237,7 +237,7 @@ def make_reward(cfg: RewardConfig) -> RewardFn:
 
 def make_accuracy(cfg: RewardConfig) -> RewardFn:
     """The run's accuracy score: `reward.accuracy_function` (the reward functions' shape and
-    arguments), run as they are (a user function in a bounded worker, `reward.timeout_s`), each
+    arguments), run as they are (a user function in a timed worker, `reward.timeout_s`), each
     value checked to be in [0, 1]: a `RewardError` naming the function and the value otherwise.
     Per-iteration `accuracy` and held-out `eval/accuracy` are the means of these scores."""
     name = cfg.accuracy_function

@@ -1,8 +1,11 @@
-"""A bounded worker process: 'module:function' calls with JSON arguments and a wall-clock timeout.
+"""A timed worker process: 'module:function' calls with JSON arguments and a wall-clock timeout.
 
 User reward functions and math-verify run here, off the producer thread that scores each group
 as it completes (the paper's producer, Sec. 3), so a hanging or crashing reward cannot hang or
-crash the run. Guarantees of `BoundedWorker.call`:
+crash the run. It bounds time only and isolates nothing: the process runs as the same user,
+with the same files, network and environment as the run. What it runs is named by its caller
+(`warmup` and each call's 'module:function'); it names no module of this package but its own.
+Guarantees of `TimedWorker.call`:
 
 - timeout: a call that overruns kills the process and raises `TimeoutError`; the next call
   starts a new one.
@@ -105,7 +108,7 @@ _stats_lock = threading.Lock()
 
 def worker_restarts() -> int:
     """Worker processes started in this process to replace one (dead, killed on a timeout, or
-    broken protocol), over all `BoundedWorker`s."""
+    broken protocol), over all `TimedWorker`s."""
     with _stats_lock:
         return _restarts
 
@@ -120,7 +123,7 @@ def _checked_cpus(cpus: Sequence[int] | None) -> list[int] | None:
 
 
 def set_worker_cpus(cpus: Sequence[int] | None) -> None:
-    """The CPUs of every `BoundedWorker` created without `cpus` (user rewards, accuracy and
+    """The CPUs of every `TimedWorker` created without `cpus` (user rewards, accuracy and
     math-verify workers), from its next start on; None: the caller's own CPUs (the default).
     Workers running now are left as they are: set this before the reward functions are made."""
     global _default_cpus
@@ -131,7 +134,7 @@ def _exit_text(code: int | None) -> str:
     return f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
-class BoundedWorker:
+class TimedWorker:
     """One worker process that runs 'module:function' calls (JSON arguments and result) with a
     wall-clock timeout, replaced when it dies (see the module's docstring for the guarantees).
     A plain subprocess (`python -c`), so it works from any thread and whatever the main script.
@@ -174,7 +177,7 @@ class BoundedWorker:
         # The child imports with this process's sys.path (this package first), not with the
         # working directory `python -c` would put in front of it: it loads what we would load.
         path = [str(Path(__file__).resolve().parents[2])] + [os.path.abspath(p) for p in sys.path]
-        code = (f"import sys; sys.path[:] = {path!r}; from periodic_async.reward.sandbox import _worker_main; "
+        code = (f"import sys; sys.path[:] = {path!r}; from periodic_async.reward.worker import _worker_main; "
                 f"_worker_main({self.warmup!r})")
         self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       text=True, bufsize=1)
@@ -187,7 +190,7 @@ class BoundedWorker:
                 raise ValueError(f"worker cpus={cpus}: cannot pin the worker process to them ({e})") from None
         self._lines = queue.Queue()
         threading.Thread(target=_pump, args=(self._proc.stdout, self._lines), daemon=True,
-                         name="bounded-worker-reader").start()
+                         name="timed-worker-reader").start()
         try:
             self._read(self.start_timeout_s, "start-up", 0)  # start-up is not part of any call's budget
         except _Died as e:
