@@ -70,13 +70,14 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def run_case(case: str, overrides: list[str], backend: str, runs: Path) -> list[dict]:
     from periodic_async.engine import make_engine
-    from periodic_async.model import load_policy
+    from periodic_async.model import is_lora, load_policy
     from periodic_async.pipeline import run
 
     cfgs = {m: load_config(RunConfig, HERE / "equivalence.yaml", overrides + [
         f"pipeline.mode={m}", f"trainer.output_dir={runs}/{case}/{m}", "trainer.resume=auto"]) for m in MODES}
     iterations = cfgs[MODES[0]].trainer.iterations
-    w0 = load_policy(cfgs[MODES[0]].model)[0].state_dict()
+    policy0 = load_policy(cfgs[MODES[0]].model)[0]
+    w0 = (policy0.merge_and_unload() if is_lora(policy0) else policy0).state_dict()  # as the checkpoints hold it
     rows = []
     for cfg in cfgs.values():  # a fresh start: resume only from this experiment's own checkpoints
         shutil.rmtree(cfg.trainer.output_dir, ignore_errors=True)
