@@ -104,6 +104,18 @@ def _slower(col):
     return lambda rows: float(_mode(rows, "periodic-async")[col]) / float(_mode(rows, "sync-separated")[col]) - 1
 
 
+def _leaves(rows):
+    """The first iteration whose off-policy training reward differs from sync-separated's."""
+    sync = {r["iteration"]: r["reward_mean"] for r in rows if r["mode"] == "sync-separated"}
+    return next(r["iteration"] for r in rows if r["mode"] == "async-offpolicy" and r["reward_mean"]
+                and r["reward_mean"] != sync.get(r["iteration"]))
+
+
+def _steady(rows):
+    """The soak's samples between a leg's start and end (not the start, the end or the kill)."""
+    return [r for r in rows if r["fds"] and not r["event"]]
+
+
 def _cols(prefix, file, where, **columns):
     """VALUES entries `prefix.column` for several columns of one row."""
     return {f"{prefix}.{c}": (file, where, c, fmt) for c, fmt in columns.items()}
@@ -317,174 +329,55 @@ def _vs(mode, device):
     return ratio
 
 
-# --- VALUES: NAME -> (file under results/ or a tuple of names and globs, row filter, column / columns /
-# function of the rows, format). A tuple result prints as "a-b", a list as "a / b / c".
-T2, RUNS = "table2_throughput.csv", ("async_speedup_balanced.csv", "async_speedup_balanced_run*/async_speedup_balanced.csv")
-SIM = "scaling_simulated.csv"
+# --- VALUES: every number the documents quote, by the name of its marker:
+#   NAME -> (file under results/ (a tuple: several files, globs allowed, rows concatenated; None: a constant),
+#            row filter (a dict of column values, or a function of the rows),
+#            the column (a tuple of columns prints "a-b"), or a function of the filtered rows (a list prints "a / b"),
+#            format)
+# A column names the one row the filter leaves; a function gets every row it leaves.
+VALUES: dict[str, tuple] = {}
+T2, SIM, SOAK, TC = "table2_throughput.csv", "scaling_simulated.csv", "soak_summary.csv", "test_costs.csv"
+RUNS = ("async_speedup_balanced.csv", "async_speedup_balanced_run*/async_speedup_balanced.csv")
 GA, GC, GT, GLOG = "gpu/attention.csv", "gpu/correctness.csv", "gpu/trainer.csv", "gpu/gpu_check.log"
-GPU_ALL = (GC, GA, GT, "gpu/engine.csv")
-MFU_ROW = lambda rows: [max((r for r in rows if r.get("status", "").startswith("ok")  # noqa: E731
-                             and r["model"] == "qwen2.5-1.5b"), key=lambda r: float(r["mfu"]))]
-TOP_SHARED = lambda rows: [max(_split(rows), key=lambda r: float(r["speedup"]))]  # noqa: E731
-VALUES = {
-    "target.table2": (None, None, lambda _: TABLE2_TARGET, _f("g", "x")),
-    "target.async": (None, None, lambda _: ASYNC_TARGET, F2),
-    "target.shared": (None, None, lambda _: SHARED_TARGET, _f("g", "x")),
-    "target.linear": (None, None, lambda _: LINEAR_TARGET, _f("g")),
-    "target.lora_weights": (None, None, lambda _: LORA_WEIGHTS, _f("g", "x")),
-    "target.lora_bytes": (None, None, lambda _: LORA_BYTES, _f("g")),
-    "target.gpu_minutes": (None, None, lambda _: GPU_SECONDS / 60, _f("g")),
-    "target.gpu_bound": (None, None, lambda _: GPU_BOUND_TARGET, _f("g")),
-    "target.gpu_mfu": (None, None, lambda _: GPU_MFU_TARGET, _f(".0%")),
-    "target.gpu_shape": (None, None, lambda _: "P={}, G={}, R={}".format(*GPU_SHAPE), STR),
-    # Table 2
+SEEDS = ("reward_curves_summary.csv", "reward_curves_seed1/reward_curves_summary.csv")
+
+
+def _status(prefix):
+    return lambda rows: [r for r in rows if r.get("status", "").startswith(prefix)]
+
+
+def _constant(v):
+    return lambda _: v
+
+
+VALUES |= {  # the targets (the paper's numbers) the claims' verdicts hold the measurements to
+    "target.table2": (None, None, _constant(TABLE2_TARGET), _f("g", "x")),
+    "target.async": (None, None, _constant(ASYNC_TARGET), F2),
+    "target.shared": (None, None, _constant(SHARED_TARGET), _f("g", "x")),
+    "target.linear": (None, None, _constant(LINEAR_TARGET), _f("g")),
+    "target.lora_weights": (None, None, _constant(LORA_WEIGHTS), _f("g", "x")),
+    "target.lora_bytes": (None, None, _constant(LORA_BYTES), _f("g")),
+    "target.gpu_minutes": (None, None, _constant(GPU_SECONDS / 60), _f("g")),
+    "target.gpu_bound": (None, None, _constant(GPU_BOUND_TARGET), _f("g")),
+    "target.gpu_mfu": (None, None, _constant(GPU_MFU_TARGET), _f(".0%")),
+    "target.gpu_shape": (None, None, _constant("P={}, G={}, R={}".format(*GPU_SHAPE)), STR),
+}
+VALUES |= {  # Table 2: periodic-async with the shared prompt against TRL, per setting
     "verdict.table2": (T2, None, _table2_verdict, STR),
     "t2.vs_colocated": (T2, _t2_best, lambda rows: [r["speedup_vs_sync_colocated"] for r in rows
-                                                   if r.get("speedup_vs_sync_colocated")], X2),
-    "t2.measured_iterations": (T2, _t2_best, lambda rows: sorted({r["measured_iterations"] for r in rows
-                                                                                   if r["measured_iterations"]}), STR),
+                                                   if r["speedup_vs_sync_colocated"]], X2),
+    "t2.measured_iterations": (T2, _t2_best, lambda rows: sorted({r["measured_iterations"] for r in rows} - {""}), STR),
     "t2.cpu": (T2, _t2_best, _cpu, STR),
-    # asynchrony alone: the balanced workload's runs together (one periodic-async row per run)
-    "runs.count": (RUNS, PA, len, STR),
-    "verdict.runs": (RUNS, PA, _runs_verdict, STR),
-    **{f"runs.{m}.{c}{r}": (RUNS, where, (_range if r else _median)(c), fmt) for m, where in (("pa", PA), ("col", COL))
-       for c, fmt in (("speedup_vs_sync_separated", X2), ("efficiency", F2), ("bound", X2),
-                      ("speedup_vs_sync_colocated", X2)) for r in ("", ".range")},
-    "verdict.real": ("async_speedup_real.csv", PA, _real_verdict, STR),
-    "pipeline.train_cpu": ("async_speedup_balanced_phases.csv", None, _slower("mean_train_thread_cpu_s"), PCT),
-    # shared-prompt attention
-    "verdict.shared": ("shared_prompt.csv", None, _shared_verdict, STR),
-    **_cols("shared.top", "shared_prompt.csv", TOP_SHARED, speedup=X1, P=STR, G=STR, R=STR, token_bound=X1),
-    "shared.efficiency": ("shared_prompt.csv", _split, _range("efficiency"), F2),
-    "shared.shapes": ("shared_prompt.csv", _split, len, STR),
-    # the GPU check
-    **_cols("gpu", GA, _first, gpu=STR, torch=STR, cuda=STR, commit=COMMIT),
-    **_cols("gpu.check", GC, _first, gpu=STR, memory_gb=STR, torch=STR, cuda=STR, commit=COMMIT, src_sha=STR),
-    "verdict.gpu_shared": (GA, None, _gpu_shared_verdict, STR),
-    "gpu.token_bound": (GA, _gpu_at_shape, lambda rows: rows[0]["token_bound"], X1),
-    "gpu.repeats": (GA, lambda rows: [r for r in rows if r.get("status", "").startswith("ok")
-                                      and (r["P"], r["G"], r["R"]) == GPU_SHAPE], lambda rows: " to ".join(dict.fromkeys(
-        str(n) for n in (min(int(r["repeats"]) for r in rows), max(int(r["repeats"]) for r in rows)))), STR),
-    **{f"gpu.{b}.{c}": (GA, lambda rows, b=b: [r for r in _gpu_at_shape(rows) if r["backend"] == b], c, fmt)
-       for b in ("flex", "split") for c, fmt in (("speedup_vs_per_response", X1), ("of_bound", F2))},
-    "gpu.seconds": (GLOG, None, _gpu_seconds, STR),
-    "verdict.gpu_seconds": (GLOG, None, lambda rows: _met() if _gpu_seconds(rows) < GPU_SECONDS else "**missed**", STR),
-    "verdict.gpu_failed": (GPU_ALL, None, _gpu_failed_verdict, STR),
-    "gpu.passed": (GC, lambda rows: [r for r in rows if r.get("status", "").startswith("ok")], len, STR),
-    "gpu.failed": (GC, lambda rows: [r for r in rows if r.get("status", "").startswith("FAILED")], len, STR),
-    "gpu.skipped": (GPU_ALL, lambda rows: [r for r in rows if r.get("status", "").startswith("skipped")],
-                    lambda rows: ", ".join(f"{Path(f).stem} {n}" for f, n in Counter(r["_file"] for r in rows).items())
-                    or "none", STR),
-    "verdict.gpu_mfu": (GT, MFU_ROW, _gpu_mfu_verdict, STR),
-    **_cols("gpu.mfu", GT, MFU_ROW, mfu=_f(".1%"), models=STR, attention=STR, packed_tokens=STR),
-    "gpu.peak_tflops": (GT, _first, "peak_tflops", STR),
-    # shared prompts and asynchrony together
-    **{f"{tag}.verdict": (file, None, _shared_async_verdict, STR) for tag, file in
-       (("sa", "shared_async.csv"), ("sar", "shared_async_real.csv"))},
-    # Figure 1
-    "verdict.fig1": ("fig1_timeline.csv", None, _fig1_verdict, STR),
-    **{f"fig1.{m}.{c}": ("fig1_timeline.csv", where, what, fmt) for m, where in (("pa", PA), ("sep", SEP))
-       for c, what, fmt in (("trains", lambda rows: f"{sum(r['trains_while_generating'] == 'True' for r in rows)}/"
-                                                    f"{len(rows)}", STR),
-                            ("order", lambda rows: rows[0]["trained_order"], STR), ("wall", _mean("wall_s"), F2),
-                            ("iterations", len, STR))},
-    # reward curves: the claims' verdicts (one summary per seed)
-    "verdict.rc": (("reward_curves_summary.csv", "reward_curves_seed1/reward_curves_summary.csv"), None,
-                   _overlap_verdict, STR),
-    "rc.seeds": (("reward_curves_summary.csv", "reward_curves_seed1/reward_curves_summary.csv"), None,
-                 lambda rows: len({r["_file"] for r in rows}), STR),
-    "verdict.rcr": ("reward_curves_real_summary.csv", None, _overlap_verdict, STR),
-    # on-policy equivalence, the tri-model, LoRA
-    "verdict.eq": ("equivalence.csv", None, _equivalence_verdict, STR),
-    **{f"eq.{tag}.{c}": ("equivalence.csv", {"case": case}, what, fmt)
-       for tag, case in (("tiny", "equivalent"), ("real", "real-model"), ("tiny_control", "two-steps"),
-                         ("real_control", "real-model-two-steps"))
-       for c, what, fmt in (("identical", lambda rows: f"{sum(int(r['identical_samples']) for r in rows)}/"
-                                                       f"{sum(int(r['samples']) for r in rows)}", STR),
-                            ("weights", lambda rows: max(float(r["max_abs_weight_diff"]) for r in rows), E1),
-                            ("iterations", len, STR),
-                            ("parts", lambda rows: next(r for r in rows if float(r["identical_fraction"]) < 1)
-                             ["identical_fraction"], _f(".0%")),
-                            ("parts_at", lambda rows: next(r for r in rows if float(r["identical_fraction"]) < 1)
-                             ["iteration"], STR))},
-    "verdict.tri": ("trimodel_cost.csv", {"variant": "tri_full"}, _trimodel_verdict, STR),
-    **_cols("tri.full", "trimodel_cost.csv", {"variant": "tri_full"}, memory_ratio=X1, ratio_vs_policy_only=X2,
-            preset=CODE, dtype=STR, packed_tokens=STR, repeats=STR),
-    **_cols("tri.skip_old", "trimodel_cost.csv", {"variant": "tri_skip_old"}, memory_ratio=X1,
-            ratio_vs_policy_only=X2),
-    "verdict.lora": (("lora_trimodel.csv", "lora_push.csv"), None, _lora_verdict, STR),
-    **_cols("lora.kept", "lora_trimodel.csv", {"mode": "lora", "variant": "all_kept"}, weights_vs_one_model=X3,
-            micro_step_vs_full=X2, model=STR, lora_rank=STR, rounds=STR),
-    "lora.full.weights_vs_one_model": ("lora_trimodel.csv", {"mode": "full", "variant": "all_kept"},
-                                       "weights_vs_one_model", X1),
-    "lora.push_rounds": ("lora_push.csv", _first, "rounds", STR),
-    **{k: v for e in ("local", "vllm") for k, v in {
-        **_cols(f"lora.{e}", "lora_push.csv", {"engine": e, "mode": "lora"}, push_check_s=F2,
-                push_check_vs_full=X2, bytes_vs_full=F3),
-        f"lora.{e}.mib": ("lora_push.csv", {"engine": e, "mode": "lora"}, "bytes", _f(".1f", scale=2 ** -20)),
-        f"lora.{e}.vs_full_range": ("lora_push.csv", {"engine": e, "mode": "lora"},
-                                    ("push_check_vs_full_min", "push_check_vs_full_max"), X2)}.items()},
-    # scaling: measured at 1-2 workers and ranks, simulated beyond
-    **{f"sm.{s}.{c}": ("scaling_measured.csv", {"system": s}, c, fmt)
-       for s in (f"{m}/{n}" for m in ("sync-separated", "periodic-async") for n in ("e1", "e2", "r1", "r2"))
-       for c, fmt in (("speedup_vs_1", X2), ("generate_s", F2), ("train_s", F2))},
-    **_cols("sm", "scaling_measured.csv", _first, git_commit=COMMIT, repeats=STR, measured_iterations_per_run=STR,
-            cpu_cores=STR),
-    **{f"sim.error.{c}{end}": (SIM, {"section": "cpu-measured-point"}, lambda rows, c=c, f=f: f(
-        float(r[c]) for r in rows), _f("+.1%")) for c in ("rel_error", "rel_error_leave_out")
-       for end, f in (("_min", min), ("_max", max))},
-    "sim.points": (SIM, {"section": "cpu-measured-point"}, len, STR),
-    "sim.cpu": (SIM, {"section": "cpu-measured-point"}, _cpu, STR),
-    "sim.sizes": (SIM, _best(mode="periodic-async"), _sizes, STR),
-    **{f"sim.{m}": (SIM, _best(mode=m), lambda rows: [r["tokens_per_s"] for r in rows], K)
-       for m in ("periodic-async", "sync-separated", "sync-colocated")},
-    **{f"sim.{m}.{d}": (SIM, _best(mode=m, devices=str(d)), "tokens_per_s", K)
-       for m in ("periodic-async", "sync-separated", "sync-colocated") for d in (48, 64)},
-    "sim.smallest": (SIM, _best(mode="periodic-async"), lambda rows: _sizes(rows)[0], STR),
-    "sim.largest": (SIM, _best(mode="periodic-async"), lambda rows: _sizes(rows)[-1], STR),
-    "sim.half": (SIM, _best(mode="periodic-async"), lambda rows: _sizes(rows)[-1] // 2, STR),
-    "sim.gain": (SIM, _best(mode="periodic-async"), lambda rows: _gain(rows)[0], X2),
-    "sim.linear": (SIM, _best(mode="periodic-async"), lambda rows: _gain(rows)[0] / _gain(rows)[1], F2),
-    "sim.gain_half": (SIM, _best(mode="periodic-async"), lambda rows: _gain(rows, _sizes(rows)[-1] // 2)[0], X2),
-    "sim.linear_half": (SIM, _best(mode="periodic-async"),
-                        lambda rows: _gain(rows, _sizes(rows)[-1] // 2)[0] / _gain(rows, _sizes(rows)[-1] // 2)[1], F2),
-    "verdict.scaling": (SIM, _best(mode="periodic-async"), _scaling_verdict, STR),
-    "verdict.48_vs_64": (SIM, None, _48_vs_64_verdict, STR),
-    "sim.measured.device": (SIM, _best("measured"), lambda rows: " and ".join(sorted(
-        {r["device_type"].removesuffix(" (measured)") for r in rows})), STR),
-    "sim.measured.sizes": (SIM, _best("measured", mode="periodic-async"), _sizes, STR),
-    "sim.measured.periodic-async": (SIM, _best("measured", mode="periodic-async"),
-                                    lambda rows: [r["tokens_per_s"] for r in rows], K),
-    "sim.measured.vs_sep": (SIM, None, _vs("sync-separated", "measured"), X2),
-    "sim.measured.vs_col": (SIM, None, _vs("sync-colocated", "measured"), X2),
-    # the weight sync, the soak run, the default suite's time
-    **_cols("ws", "weight_sync_collective.csv", _first, git_commit=COMMIT, workers=STR),
-    **_cols("soak", "soak_summary.csv", _first, iterations=STR, wall_s=MIN),
-    "soak.resent": ("soak_summary.csv", {"restarted": "yes"}, "requests_resent", STR),
-    **{f"soak.trainer{leg}.{c}": ("soak_summary.csv", {"process": "trainer", "leg": leg}, what, fmt)
-       for leg in ("1", "2") for c, what, fmt in (("slope", "rss_slope_mib_per_100_iterations", F1),
-                                                  ("iterations", ("first_iteration", "last_iteration"), STR))},
-    **{f"soak.{p}.{c}": ("soak_summary.csv", where, what, fmt)
-       for p, where in (("trainer", {"process": "trainer"}),
-                        ("workers", lambda rows: [r for r in rows if r["process"] != "trainer"]))
-       for c, what, fmt in (("rss", _mean("rss_last_mib"), INT), ("slope", _range("rss_slope_mib_per_100_iterations"),
-                                                                   F1))},
-    **{f"soak.fds.{p}": ("soak.csv", lambda rows, p=p: [r for r in rows if r["fds"] and not r["event"] and (
-        r["process"] == "trainer") == (p == "trainer")], _range("fds"), INT) for p in ("trainer", "workers")},
-    "soak.trace": ("soak.csv", None, lambda rows: max(float(r["trace_mib"] or 0) for r in rows), F2),
-    **{f"{tag}.{c}": (file, _first, c, fmt) for tag, file in (("tc", "test_costs.csv"), ("tcb", "test_costs_busy.csv"))
-       for c, fmt in (("pytest_args", CODE), ("git_commit", lambda v: f"`{v[:12]}`"), ("cpu", STR), ("cores", STR),
-                      ("load", STR), ("suite_wall_s", INT))},
-    "tc.tests": ("test_costs.csv", None, len, STR),
-    "tc.seconds": ("test_costs.csv", None, lambda rows: sum(float(r["seconds"]) for r in rows), INT),
-    "tc.top": (None, None, lambda _: SLOWEST, STR),
 }
-"""Every number the documents quote, by the name their markers use."""
+for _s in ("real-model", "long-prompt", "short-prompt"):
+    _row = dict(setting=_s, system="periodic-async", shared_prompt="True")
+    VALUES |= _cols(f"t2.{_s}", T2, _row, speedup_vs_trl=X1, mean_prompt_tokens=INT, repeats=STR)
+    VALUES[f"t2.{_s}.range"] = (T2, _row, ("speedup_vs_trl_min", "speedup_vs_trl_max"), X1)
 
+# Asynchrony alone, one run: its modes' ratios (pa, col) and the phases alone (sep) and overlapped (pa)
 for _tag, _main, _phases in (("bal", "async_speedup_balanced.csv", "async_speedup_balanced_phases.csv"),
                              ("real", "async_speedup_real.csv", "async_speedup_real_phases.csv"),
                              ("tuned", "async_speedup.csv", "async_speedup_phases.csv")):
-    # asynchrony alone, one run: the modes' ratios, the phases alone (sep) and overlapped (pa)
     VALUES |= _cols(f"{_tag}.pa", _main, PA, speedup_vs_sync_separated=X2, bound=X2, efficiency=F2,
                     bound_overlapped=X2, speedup_vs_sync_colocated=X2, repeats=STR)
     VALUES |= _cols(f"{_tag}.col", _main, COL, speedup_vs_sync_separated=X2)
@@ -495,9 +388,18 @@ for _tag, _main, _phases in (("bal", "async_speedup_balanced.csv", "async_speedu
         VALUES |= _cols(f"{_tag}.{_m}", _phases, _where, mean_generate_s=F2, mean_train_s=F2, mean_iteration_s=F2,
                         mean_sync_s=F2, mean_first_group_s=F2, mean_after_generation_s=F2,
                         mean_train_thread_cpu_s=F2)
-    VALUES[f"{_tag}.generate_slower"] = (_phases, None, _slower("mean_generate_s"), PCT)
-    VALUES[f"{_tag}.train_slower"] = (_phases, None, _slower("mean_train_s"), PCT)
-for _model in ("sft-qwen2-1m", "smollm2-135m-instruct"):  # the phases as bare processes
+    for _c in ("generate", "train", "train_thread_cpu"):  # overlapped against alone
+        VALUES[f"{_tag}.{_c}_slower"] = (_phases, None, _slower(f"mean_{_c}_s"), PCT)
+VALUES["verdict.real"] = ("async_speedup_real.csv", PA, _real_verdict, STR)
+# ... the balanced workload's runs together: the median over the runs (one periodic-async row each) and its range
+VALUES |= {"runs.count": (RUNS, PA, len, STR), "verdict.runs": (RUNS, PA, _runs_verdict, STR)}
+for _m, _where in (("pa", PA), ("col", COL)):
+    for _c, _fmt in (("speedup_vs_sync_separated", X2), ("efficiency", F2), ("bound", X2),
+                     ("speedup_vs_sync_colocated", X2)):
+        VALUES[f"runs.{_m}.{_c}"] = (RUNS, _where, _median(_c), _fmt)
+        VALUES[f"runs.{_m}.{_c}.range"] = (RUNS, _where, _range(_c), _fmt)
+# ... and the two phases as bare processes: pinned apart, and the trainer waiting before each step
+for _model in ("sft-qwen2-1m", "smollm2-135m-instruct"):
     for _p in ("trainer", "engine"):
         VALUES[f"contention.{_model}.{_p}"] = ("phase_contention.csv", dict(model=_model, case="pinned", process=_p),
                                                "vs_alone", F2)
@@ -505,63 +407,203 @@ for _model in ("sft-qwen2-1m", "smollm2-135m-instruct"):  # the phases as bare p
         "phase_contention.csv", dict(model=_model, process="trainer"),
         lambda rows: float(next(r for r in rows if r["case"] == "trainer_waits")["step_cpu_ms"])
         / float(next(r for r in rows if r["case"] == "alone")["step_cpu_ms"]) - 1, PCT)
+
+_TOP = lambda rows: [max(_split(rows), key=lambda r: float(r["speedup"]))]
+VALUES |= {  # shared-prompt attention alone: the best shape, and the share of the bound over the shapes
+    "verdict.shared": ("shared_prompt.csv", None, _shared_verdict, STR),
+    **_cols("shared.top", "shared_prompt.csv", _TOP, speedup=X1, P=STR, G=STR, R=STR, token_bound=X1),
+    "shared.efficiency": ("shared_prompt.csv", _split, _range("efficiency"), F2),
+    "shared.shapes": ("shared_prompt.csv", _split, len, STR),
+}
+_MFU = lambda rows: [max((r for r in _status("ok")(rows) if r["model"] == "qwen2.5-1.5b"),
+                         key=lambda r: float(r["mfu"]))]
+VALUES |= {  # the GPU check (results/gpu): its goals and the shared-prompt attention at the paper's shapes
+    **_cols("gpu", GC, _first, gpu=STR, memory_gb=STR, torch=STR, cuda=STR, commit=COMMIT, src_sha=STR),
+    "gpu.seconds": (GLOG, None, _gpu_seconds, STR),
+    "verdict.gpu_seconds": (GLOG, None, lambda rows: _met() if _gpu_seconds(rows) < GPU_SECONDS else "**missed**",
+                            STR),
+    "verdict.gpu_failed": ((GC, GA, GT, "gpu/engine.csv"), _status("FAILED"), _gpu_failed_verdict, STR),
+    "gpu.passed": (GC, _status("ok"), len, STR),
+    "gpu.failed": (GC, _status("FAILED"), len, STR),
+    "gpu.skipped": ((GC, GA, GT, "gpu/engine.csv"), _status("skipped"), lambda rows: ", ".join(
+        f"{Path(f).stem} {n}" for f, n in Counter(r["_file"] for r in rows).items()) or "none", STR),
+    "verdict.gpu_shared": (GA, None, _gpu_shared_verdict, STR),
+    "gpu.token_bound": (GA, _gpu_at_shape, lambda rows: rows[0]["token_bound"], X1),
+    "gpu.repeats": (GA, lambda rows: [r for r in _status("ok")(rows) if (r["P"], r["G"], r["R"]) == GPU_SHAPE],
+                    lambda rows: " to ".join(dict.fromkeys(str(f(int(r["repeats"]) for r in rows))
+                                                           for f in (min, max))), STR),
+    "verdict.gpu_mfu": (GT, _MFU, _gpu_mfu_verdict, STR),
+    **_cols("gpu.mfu", GT, _MFU, mfu=_f(".1%"), models=STR, attention=STR, packed_tokens=STR),
+    "gpu.peak_tflops": (GT, _first, "peak_tflops", STR),
+}
+for _b in ("flex", "split"):
+    VALUES |= _cols(f"gpu.{_b}", GA, lambda rows, b=_b: [r for r in _gpu_at_shape(rows) if r["backend"] == b],
+                    speedup_vs_per_response=X1, of_bound=F2)
+
+# Shared prompts and asynchrony together: speedups over per-response sync-separated
 for _tag, _file in (("sa", "shared_async.csv"), ("sar", "shared_async_real.csv")):
+    VALUES[f"{_tag}.verdict"] = (_file, None, _shared_async_verdict, STR)
     for _name, _where in (("shared", {"shared_prompt": "True", "mode": "sync-separated"}),
                           ("async", {"shared_prompt": "False", "mode": "periodic-async"}),
-                          ("both", {"shared_prompt": "True", "mode": "periodic-async"}), ("product", {"mode": "product"})):
+                          ("both", {"shared_prompt": "True", "mode": "periodic-async"}),
+                          ("product", {"mode": "product"})):
         VALUES[f"{_tag}.{_name}"] = (_file, _where, "speedup", X2)
     VALUES |= _cols(f"{_tag}.both", _file, {"shared_prompt": "True", "mode": "periodic-async"},
                     mean_prompt_tokens=INT, repeats=STR)
-for _s in ("real-model", "long-prompt", "short-prompt"):
-    VALUES |= _cols(f"t2.{_s}", T2, dict(setting=_s, system="periodic-async", shared_prompt="True"), speedup_vs_trl=X1,
-                    mean_prompt_tokens=INT, repeats=STR)
-    VALUES[f"t2.{_s}.range"] = (T2, dict(setting=_s, system="periodic-async", shared_prompt="True"),
-                                ("speedup_vs_trl_min", "speedup_vs_trl_max"), X1)
-for _s in ("sync-separated/e2", "periodic-async/e2", "sync-separated/r2"):
-    VALUES[f"sm.{_s}.spread"] = ("scaling_measured.csv", {"system": _s}, ("speedup_vs_1_min", "speedup_vs_1_max"), F2)
-for _tag, _summary, _curves, _window in (("rc", "reward_curves_summary.csv", "reward_curves.csv", 10),
-                                         ("rc1", "reward_curves_seed1/reward_curves_summary.csv",
-                                          "reward_curves_seed1/reward_curves.csv", 10),
+
+# Figure 1: does training start while generating, the order trained, the iteration's time
+VALUES["verdict.fig1"] = ("fig1_timeline.csv", None, _fig1_verdict, STR)
+for _m, _where in (("pa", PA), ("sep", SEP)):
+    VALUES |= {f"fig1.{_m}.trains": ("fig1_timeline.csv", _where, lambda rows: "{}/{}".format(
+                   sum(r["trains_while_generating"] == "True" for r in rows), len(rows)), STR),
+               f"fig1.{_m}.order": ("fig1_timeline.csv", _where, lambda rows: rows[0]["trained_order"], STR),
+               f"fig1.{_m}.wall": ("fig1_timeline.csv", _where, _mean("wall_s"), F2),
+               f"fig1.{_m}.iterations": ("fig1_timeline.csv", _where, len, STR)}
+
+# Reward curves, per run: each mode's held-out accuracy and gaps to sync, the training reward over the first
+# and last `_window` iterations, the off-policy mode's importance ratios and where it leaves sync's reward
+VALUES |= {"verdict.rc": (SEEDS, None, _overlap_verdict, STR),
+           "rc.seeds": (SEEDS, None, lambda rows: len({r["_file"] for r in rows}), STR),
+           "verdict.rcr": ("reward_curves_real_summary.csv", None, _overlap_verdict, STR)}
+for _tag, _summary, _curves, _window in (("rc", SEEDS[0], "reward_curves.csv", 10),
+                                         ("rc1", SEEDS[1], "reward_curves_seed1/reward_curves.csv", 10),
                                          ("rcr", "reward_curves_real_summary.csv", "reward_curves_real.csv", 5),
                                          ("rct", "reward_curves_real_time_summary.csv", None, 0)):
-    # a reward-curves run: each mode's held-out accuracy and gaps, the training reward over the first and
-    # last `_window` iterations, the off-policy mode's importance ratios
     VALUES[f"{_tag}.cpu"] = (_summary, None, _cpu, STR)
+    VALUES[f"{_tag}.off.lost"] = (_summary, None, lambda rows: float(_mode(rows, "sync-separated")["eval_accuracy_end"])
+                                  - float(_mode(rows, "async-offpolicy")["eval_accuracy_end"]), _f(".0f", scale=100))
     for _m, _where in (("sync", SEP), ("pa", PA), ("off", OFF)):
         VALUES |= _cols(f"{_tag}.{_m}", _summary, _where, eval_accuracy_start=F3, eval_accuracy_end=F3,
                         eval_stderr=F3, eval_n=STR, gain=PTS, gain_stderr=PT, gain_stderr_paired=PT,
                         max_abs_diff_vs_sync=G3, max_abs_diff_reward=G3, max_abs_diff_eval=G3,
                         tokens_identical_iterations=STR, wall_s=MIN)
         VALUES[f"{_tag}.{_m}.wall_min"] = (_summary, _where, "wall_s", _f(".1f", scale=1 / 60))
-        for _i, _part in enumerate(("same", "iterations")):
+        for _i, _part in enumerate(("same", "iterations")):  # of tokens_identical_iterations, "same/iterations"
             VALUES[f"{_tag}.{_m}.{_part}"] = (_summary, _where, lambda rows, i=_i: rows[0][
                 "tokens_identical_iterations"].split("/")[i], STR)
-    VALUES[f"{_tag}.off.lost"] = (_summary, None, lambda rows: float(_mode(rows, "sync-separated")["eval_accuracy_end"])
-                                  - float(_mode(rows, "async-offpolicy")["eval_accuracy_end"]), _f(".0f", scale=100))
-    if _curves:
-        for _m, _where in (("sync", SEP), ("off", OFF)):
-            _trained = lambda rows, w=_where["mode"]: [r for r in rows if r["mode"] == w and r["reward_mean"]]  # noqa
-            VALUES[f"{_tag}.{_m}.reward_first"] = (_curves, _trained, lambda rows, n=_window: _mean("reward_mean")(
-                rows[:n]), F2)
-            VALUES[f"{_tag}.{_m}.reward_last"] = (_curves, _trained, lambda rows, n=_window: _mean("reward_mean")(
-                rows[-n:]), F2)
-            VALUES[f"{_tag}.{_m}.trained"] = (_curves, _trained, len, STR)
-            for _c in ("ratio_abs_dev", "clip_frac"):
-                _fmt = F3 if _c == "ratio_abs_dev" else _f(".2f", "%", 100)
-                VALUES[f"{_tag}.{_m}.{_c}"] = (_curves, _trained, _mean(_c), _fmt)
-                VALUES[f"{_tag}.{_m}.{_c}_peak"] = (_curves, _trained, lambda rows, c=_c: max(
-                    float(r[c]) for r in rows if r[c]), _fmt)
-        VALUES[f"{_tag}.off.leaves"] = (_curves, None, lambda rows: next(
-            r["iteration"] for r in rows if r["mode"] == "async-offpolicy" and r["reward_mean"]
-            and r["reward_mean"] != {x["iteration"]: x["reward_mean"] for x in rows
-                                     if x["mode"] == "sync-separated"}.get(r["iteration"])), STR)
+    if not _curves:
+        continue
+    for _m in ("sync-separated", "async-offpolicy"):
+        _key = f"{_tag}.{'sync' if _m == 'sync-separated' else 'off'}"
+        _trained = lambda rows, m=_m: [r for r in rows if r["mode"] == m and r["reward_mean"]]
+        VALUES[f"{_key}.reward_first"] = (_curves, _trained, lambda rows, n=_window: _mean("reward_mean")(rows[:n]), F2)
+        VALUES[f"{_key}.reward_last"] = (_curves, _trained, lambda rows, n=_window: _mean("reward_mean")(rows[-n:]), F2)
+        VALUES[f"{_key}.trained"] = (_curves, _trained, len, STR)
+        for _c, _fmt in (("ratio_abs_dev", F3), ("clip_frac", _f(".2f", "%", 100))):
+            VALUES[f"{_key}.{_c}"] = (_curves, _trained, _mean(_c), _fmt)
+            VALUES[f"{_key}.{_c}_peak"] = (_curves, _trained, lambda rows, c=_c: max(float(r[c]) for r in rows
+                                                                                     if r[c]), _fmt)
+    VALUES[f"{_tag}.off.leaves"] = (_curves, None, _leaves, STR)
+
+# On-policy equivalence per case and its control: samples identical, the weights' largest gap, where it parts
+def _parts(rows):
+    """The first iteration whose samples are not all identical."""
+    return next(r for r in rows if float(r["identical_fraction"]) < 1)
+
+
+for _tag, _case in (("tiny", "equivalent"), ("real", "real-model"), ("tiny_control", "two-steps"),
+                    ("real_control", "real-model-two-steps")):
+    _where = {"case": _case}
+    VALUES |= {f"eq.{_tag}.identical": ("equivalence.csv", _where, lambda rows: "{}/{}".format(
+                   sum(int(r["identical_samples"]) for r in rows), sum(int(r["samples"]) for r in rows)), STR),
+               f"eq.{_tag}.weights": ("equivalence.csv", _where, lambda rows: max(
+                   float(r["max_abs_weight_diff"]) for r in rows), E1),
+               f"eq.{_tag}.iterations": ("equivalence.csv", _where, len, STR),
+               f"eq.{_tag}.parts": ("equivalence.csv", _where, lambda rows: _parts(rows)["identical_fraction"],
+                                    _f(".0%")),
+               f"eq.{_tag}.parts_at": ("equivalence.csv", _where, lambda rows: _parts(rows)["iteration"], STR)}
+VALUES["verdict.eq"] = ("equivalence.csv", None, _equivalence_verdict, STR)
+
+VALUES |= {  # the tri-model, and LoRA's tri-model and barrier against full fine-tuning
+    "verdict.tri": ("trimodel_cost.csv", {"variant": "tri_full"}, _trimodel_verdict, STR),
+    **_cols("tri.full", "trimodel_cost.csv", {"variant": "tri_full"}, memory_ratio=X1, ratio_vs_policy_only=X2,
+            preset=CODE, dtype=STR, packed_tokens=STR, repeats=STR),
+    **_cols("tri.skip_old", "trimodel_cost.csv", {"variant": "tri_skip_old"}, memory_ratio=X1,
+            ratio_vs_policy_only=X2),
+    "verdict.lora": (("lora_trimodel.csv", "lora_push.csv"), None, _lora_verdict, STR),
+    **_cols("lora.kept", "lora_trimodel.csv", {"mode": "lora", "variant": "all_kept"}, weights_vs_one_model=X3,
+            micro_step_vs_full=X2, model=STR, lora_rank=STR, rounds=STR),
+    **_cols("lora.full", "lora_trimodel.csv", {"mode": "full", "variant": "all_kept"}, weights_vs_one_model=X1),
+    "lora.push_rounds": ("lora_push.csv", _first, "rounds", STR),
+}
+for _e in ("local", "vllm"):
+    _where = {"engine": _e, "mode": "lora"}
+    VALUES |= _cols(f"lora.{_e}", "lora_push.csv", _where, push_check_s=F2, push_check_vs_full=X2, bytes_vs_full=F3)
+    VALUES[f"lora.{_e}.mib"] = ("lora_push.csv", _where, "bytes", _f(".1f", scale=2 ** -20))
+    VALUES[f"lora.{_e}.vs_full_range"] = ("lora_push.csv", _where, ("push_check_vs_full_min",
+                                                                    "push_check_vs_full_max"), X2)
+
+# Scaling: measured at 1-2 engine workers and trainer ranks, simulated beyond (best split per mode and size)
+VALUES |= _cols("sm", "scaling_measured.csv", _first, git_commit=COMMIT, repeats=STR,
+                measured_iterations_per_run=STR, cpu_cores=STR)
+for _s in ("sync-separated/e1", "sync-separated/e2", "periodic-async/e1", "periodic-async/e2", "sync-separated/r1",
+           "sync-separated/r2"):
+    VALUES |= _cols(f"sm.{_s}", "scaling_measured.csv", {"system": _s}, speedup_vs_1=X2, generate_s=F2, train_s=F2)
+    VALUES[f"sm.{_s}.spread"] = ("scaling_measured.csv", {"system": _s}, ("speedup_vs_1_min", "speedup_vs_1_max"), F2)
+_POINTS, _PA = {"section": "cpu-measured-point"}, _best(mode="periodic-async")
+VALUES |= {
+    **{f"sim.error.{c}_{f.__name__}": (SIM, _POINTS, lambda rows, c=c, f=f: f(float(r[c]) for r in rows),
+                                       _f("+.1%")) for c in ("rel_error", "rel_error_leave_out") for f in (min, max)},
+    "sim.points": (SIM, _POINTS, len, STR),
+    "sim.cpu": (SIM, _POINTS, _cpu, STR),
+    "sim.sizes": (SIM, _PA, _sizes, STR),
+    "sim.smallest": (SIM, _PA, lambda rows: _sizes(rows)[0], STR),
+    "sim.largest": (SIM, _PA, lambda rows: _sizes(rows)[-1], STR),
+    "sim.half": (SIM, _PA, lambda rows: _sizes(rows)[-1] // 2, STR),
+    "sim.gain": (SIM, _PA, lambda rows: _gain(rows)[0], X2),
+    "sim.linear": (SIM, _PA, lambda rows: _gain(rows)[0] / _gain(rows)[1], F2),
+    "sim.gain_half": (SIM, _PA, lambda rows: _gain(rows, _sizes(rows)[-1] // 2)[0], X2),
+    "sim.linear_half": (SIM, _PA, lambda rows: _gain(rows, _sizes(rows)[-1] // 2)[0] / 2, F2),
+    "verdict.scaling": (SIM, _PA, _scaling_verdict, STR),
+    "verdict.48_vs_64": (SIM, None, _48_vs_64_verdict, STR),
+    "sim.measured.device": (SIM, _best("measured"), lambda rows: " and ".join(sorted(
+        {r["device_type"].removesuffix(" (measured)") for r in rows})), STR),
+    "sim.measured.sizes": (SIM, _best("measured", mode="periodic-async"), _sizes, STR),
+    "sim.measured.periodic-async": (SIM, _best("measured", mode="periodic-async"),
+                                    lambda rows: [r["tokens_per_s"] for r in rows], K),
+    "sim.measured.vs_sep": (SIM, None, _vs("sync-separated", "measured"), X2),
+    "sim.measured.vs_col": (SIM, None, _vs("sync-colocated", "measured"), X2),
+}
+for _m in ("periodic-async", "sync-separated", "sync-colocated"):
+    VALUES[f"sim.{_m}"] = (SIM, _best(mode=_m), lambda rows: [r["tokens_per_s"] for r in rows], K)
+    for _d in ("48", "64"):
+        VALUES[f"sim.{_m}.{_d}"] = (SIM, _best(mode=_m, devices=_d), "tokens_per_s", K)
+VALUES |= _cols("ws", "weight_sync_collective.csv", _first, git_commit=COMMIT, workers=STR)
+
+# The soak run (docs/usage.md): each process's memory growth, open descriptors, the trace on disk
+_WORKERS = lambda rows: [r for r in rows if r["process"] != "trainer"]
+VALUES |= {
+    **_cols("soak", SOAK, _first, iterations=STR, wall_s=MIN),
+    "soak.resent": (SOAK, {"restarted": "yes"}, "requests_resent", STR),
+    "soak.trainer.rss": (SOAK, {"process": "trainer"}, _mean("rss_last_mib"), INT),
+    "soak.workers.rss": (SOAK, _WORKERS, _mean("rss_last_mib"), INT),
+    "soak.workers.slope": (SOAK, _WORKERS, _range("rss_slope_mib_per_100_iterations"), F1),
+    "soak.fds.trainer": ("soak.csv", lambda rows: [r for r in _steady(rows) if r["process"] == "trainer"],
+                         _range("fds"), INT),
+    "soak.fds.workers": ("soak.csv", lambda rows: [r for r in _steady(rows) if r["process"] != "trainer"],
+                         _range("fds"), INT),
+    "soak.trace": ("soak.csv", None, lambda rows: max(float(r["trace_mib"] or 0) for r in rows), F2),
+}
+for _leg in ("1", "2"):
+    VALUES[f"soak.trainer{_leg}.slope"] = (SOAK, {"process": "trainer", "leg": _leg},
+                                           "rss_slope_mib_per_100_iterations", F1)
+    VALUES[f"soak.trainer{_leg}.iterations"] = (SOAK, {"process": "trainer", "leg": _leg},
+                                                ("first_iteration", "last_iteration"), STR)
+
+# The default suite's time (docs/reproduce.md), quiet and beside a busy process
+for _tag, _file in (("tc", TC), ("tcb", "test_costs_busy.csv")):
+    VALUES |= _cols(_tag, _file, _first, pytest_args=CODE, git_commit=lambda v: f"`{v[:12]}`", cpu=STR, cores=STR,
+                    load=STR, suite_wall_s=INT)
+VALUES |= {"tc.tests": (TC, None, len, STR),
+           "tc.seconds": (TC, None, lambda rows: sum(float(r["seconds"]) for r in rows), INT),
+           "tc.top": (None, None, lambda _: SLOWEST, STR)}
 
 
 class Missing(Exception):
     """A value's file, row or cell is not there."""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(results: Path, file) -> list[dict] | None:
     """The rows of `file` under `results` (a CSV; a tuple of names and globs: every CSV found, in
     order; another file: one row holding its `text`), each tagged with its `_file`; None if absent."""
@@ -695,7 +737,8 @@ def provenance(path: Path) -> str:
         rows = [r for r in csv.DictReader(f) if r.get("git_commit") or "git_commit" not in r]
     commits = sorted({r["git_commit"][:7] for r in rows if r.get("git_commit")})
     cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
-    text = f"commit {', '.join(commits)}" if commits else "commit not recorded: the CSV predates its `git_commit` column"
+    text = (f"commit {', '.join(commits)}" if commits
+            else "commit not recorded: the CSV predates its `git_commit` column")
     if not cpus:
         return text + "; CPU not recorded: the CSV predates its `cpu` column"
     return text + f"; {'; '.join(cpus)}" + ("; rows written before the `cpu` column do not say"
@@ -723,7 +766,8 @@ def vllm_speed(results: Path) -> str:
     if not ratios:
         return "not measured yet: `bash experiments/engine_throughput.sh`"
     spans = {m: sorted({f"{min(v):.1f}", f"{max(v):.1f}"}, key=float) for m, v in ratios.items()}
-    return ", ".join(f"{'-'.join(s)}x the built-in engine on {m}" for m, s in spans.items()) + f" (`{results}/engine.csv`)"
+    return (", ".join(f"{'-'.join(s)}x the built-in engine on {m}" for m, s in spans.items())
+            + f" (`{results}/engine.csv`)")
 
 
 def weight_sync(results: Path) -> str:
@@ -731,7 +775,7 @@ def weight_sync(results: Path) -> str:
     rows = _rows(results, "weight_sync_collective.csv")
     if not rows:
         return "_not measured yet: `python experiments/weight_sync_collective.py`_"
-    s = lambda v: f"{float(v):.2g}" if float(v) < 0.01 else f"{float(v):.3f}" if float(v) < 0.1 else F2(v)  # noqa
+    s = lambda v: f"{float(v):.2g}" if float(v) < 0.01 else f"{float(v):.3f}" if float(v) < 0.1 else F2(v)
     by = {(r["preset"], r["path"]): r for r in rows}
     body = []
     for preset in dict.fromkeys(r["preset"] for r in rows):
@@ -846,8 +890,10 @@ def default_claims(tests: Path) -> str:
             if not fn.name.startswith("test_") or _marks(fn.decorator_list) & {"slow", "gpu"}:
                 continue
             doc = ast.get_docstring(fn)
-            slow = any("parametrize" in t and "marks=pytest.mark.slow" in t for t in map(ast.unparse, fn.decorator_list))
-            items.append(f"  - `{f'{cls}.{fn.name}' if cls else fn.name}`" + (f": {_first_sentence(doc)}" if doc else "")
+            slow = any("parametrize" in t and "marks=pytest.mark.slow" in t
+                       for t in map(ast.unparse, fn.decorator_list))
+            items.append(f"  - `{f'{cls}.{fn.name}' if cls else fn.name}`"
+                         + (f": {_first_sentence(doc)}" if doc else "")
                          + (" (its slow cases run with `-m slow`)" if slow else ""))
         if items:
             lines += [f"- `{path.relative_to(tests.parent)}` ({len(items)})", *items]
@@ -899,8 +945,9 @@ BLOCK = re.compile(r"<!-- results:([\w-]+) -->(\n?).*?<!-- /results:\1 -->", fla
 INLINE = re.compile(r"<!-- v:([\w./@-]+) -->(.*?)<!-- /v -->")
 
 
-def render(path: Path, results: Path, used: set) -> None:
-    """Fill every marker of `path` from `results`; `used` collects the blocks' names. A block whose
+def render(path: Path, results: Path, used: set, told: set) -> None:
+    """Fill every marker of `path` from `results`; `used` collects the blocks' names, `told` the
+    problems already reported on stderr. A block whose
     opening marker ends its line is a block of lines; one within a line of prose stays within it
     (Markdown ends a paragraph at a line that starts with a comment)."""
     def block(m: re.Match) -> str:
@@ -921,7 +968,11 @@ def render(path: Path, results: Path, used: set) -> None:
             text = value(results, name)
         except (Missing, KeyError, ValueError, StopIteration, IndexError, ZeroDivisionError, TypeError,
                 AttributeError, statistics.StatisticsError) as e:
-            print(f"update_readme: {path}: v:{name}: {type(e).__name__}: {e}", file=sys.stderr)
+            missing_file = isinstance(e, Missing) and str(e).endswith(" not found")
+            why = f"{e}: its values render n/a" if missing_file else f"{path}: v:{name}: {type(e).__name__}: {e}"
+            if why not in told:  # a missing file once, not once per value
+                print(f"update_readme: {why}", file=sys.stderr)
+                told.add(why)
             text = "n/a"
         return f"<!-- v:{name} -->{text}<!-- /v -->"
 
@@ -937,8 +988,9 @@ def main() -> None:
     ap.add_argument("docs", nargs="*", default=DOCS, help="the documents to fill (default: all)")
     args = ap.parse_args()
     used: set[str] = set()
+    told: set[str] = set()
     for doc in args.docs:
-        render(Path(doc), Path(args.results), used)
+        render(Path(doc), Path(args.results), used, told)
     if args.docs == DOCS and (unused := (TABLES.keys() | BLOCKS.keys()) - used):
         raise SystemExit(f"tables no document shows: {sorted(unused)} (scripts/update_readme.py)")
 
