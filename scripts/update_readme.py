@@ -979,6 +979,9 @@ def render(path: Path, results: Path, used: set, told: set) -> None:
     text = BLOCK.sub(block, path.read_text())
     if text.count("<!-- v:") != len(INLINE.findall(text)):
         raise SystemExit(f"{path}: a <!-- v:NAME --> marker without its <!-- /v --> on the same line")
+    if starts := re.search(r"^<!-- v:", text, flags=re.M):
+        raise SystemExit(f"{path}:{text.count(chr(10), 0, starts.start()) + 1}: a line starts with a value marker "
+                         "(Markdown would end the paragraph there): keep it on the line of the word before it")
     path.write_text(INLINE.sub(inline, text))
 
 
