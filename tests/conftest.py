@@ -3,7 +3,7 @@ cluster), one tokenizer built per test session, one torch thread, one Ray instan
 process (shared by the modules that use Ray), the longest modules first, collection's objects
 frozen out of the garbage collector's scans.
 What test modules share besides fixtures (the tiny run, engine requests, the vLLM tests' checks)
-is in tests/helpers.py. What each test starts, and its time: the recorder scripts/test_costs.py reads."""
+is in tests/helpers.py; the test-cost recorder of scripts/test_costs.py is tests/cost_plugin.py."""
 
 import os
 
@@ -102,69 +102,3 @@ def pytest_unconfigure(config):
     import gc
 
     gc.unfreeze()
-
-
-# --- what each test starts, and its time (PA_TEST_COSTS=<file.jsonl>; scripts/test_costs.py reads it) ---
-
-def _count_starts(counts: dict) -> None:
-    """Wrap what a test may start, counting into `counts`: a Ray instance, Ray engine workers
-    (and which backend they run), a vLLM engine in this process, subprocesses (by program)."""
-    import subprocess
-
-    from periodic_async.engine import ray_engine
-
-    init_ray, start, popen = ray_engine.init_ray, ray_engine.RayEngine._start, subprocess.Popen.__init__
-
-    def counted_init_ray(*a, **k):
-        started = init_ray(*a, **k)
-        counts["ray"] += int(started)
-        return started
-
-    def counted_start(self, indices, *a, **k):
-        indices = list(indices)
-        key = "vllm_workers" if self.cfg.worker_backend == "vllm" else "engine_workers"
-        counts[key] += len(indices)
-        return start(self, indices, *a, **k)
-
-    def counted_popen(self, args, *a, **k):
-        argv = [str(x) for x in (args if isinstance(args, (list, tuple)) else [args])]
-        text = " ".join(argv)
-        if "/ray/" in text or "ray/_private" in text:  # Ray's own processes: counted as the Ray start
-            return popen(self, args, *a, **k)
-        kind = ("torchrun" if "torchrun" in text or "torch.distributed.run" in text else
-                "cli" if "periodic_async" in text and "-m" in argv else
-                "script" if any(x.endswith((".py", ".sh")) for x in argv) else "other")
-        counts[f"subprocess_{kind}"] += 1
-        return popen(self, args, *a, **k)
-
-    ray_engine.init_ray = counted_init_ray
-    ray_engine.RayEngine._start = counted_start
-    subprocess.Popen.__init__ = counted_popen
-
-
-_COSTS = {"counts": None, "file": None}
-
-
-def pytest_sessionstart(session):
-    path = os.environ.get("PA_TEST_COSTS")
-    if path and getattr(session.config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
-        return  # pytest-xdist's controller: the workers record their own tests
-    if path:
-        from collections import Counter
-
-        worker = os.environ.get("PYTEST_XDIST_WORKER")  # under pytest-xdist: one file per worker process
-        _COSTS["counts"], _COSTS["file"] = Counter(), open(f"{path}.{worker}" if worker else path, "w")
-        _count_starts(_COSTS["counts"])
-
-
-def pytest_runtest_logreport(report):
-    """One line per phase of each test: nodeid, phase, seconds, and what was started since the last line."""
-    if _COSTS["file"] is None:
-        return
-    import json
-
-    counts = _COSTS["counts"]
-    _COSTS["file"].write(json.dumps({"test": report.nodeid, "phase": report.when, "s": report.duration,
-                                     "outcome": report.outcome, **counts}) + "\n")
-    _COSTS["file"].flush()
-    counts.clear()
