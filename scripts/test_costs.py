@@ -2,10 +2,11 @@
 
     python scripts/test_costs.py [--out results/test_costs.csv] [--beside-busy] [-- pytest args]
 
-Runs `python -m pytest` (the default suite, plus any pytest args) with PA_TEST_COSTS set, so that
-tests/conftest.py records each test's setup + call + teardown seconds and what it started (a Ray
-instance, Ray engine workers and their backend, subprocesses by program); writes one CSV row per
-test, each with the suite's wall time, the commit, the CPU and the pytest arguments.
+Runs `python -m pytest` (the default suite, plus any pytest args) with PA_TEST_COSTS set and the
+recorder plugin tests/cost_plugin.py loaded (`-p cost_plugin`, tests/ on PYTHONPATH), which records
+each test's setup + call + teardown seconds and what it started (a Ray instance, Ray engine workers
+and their backend, subprocesses by program); writes one CSV row per test, each with the suite's
+wall time, the commit, the CPU and the pytest arguments.
 `scripts/update_readme.py` renders the grouped table into docs/reproduce.md.
 
 A test's group is the first it belongs to, in the order of `GROUPS`: torchrun ranks, a vLLM engine
@@ -84,8 +85,10 @@ def main() -> None:
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.beside_busy else None
         t0 = time.time()
         try:
-            rc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args.pytest_args],
-                                cwd=ROOT, env={**os.environ, "PA_TEST_COSTS": str(record)}).returncode
+            path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
+            rc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "cost_plugin",
+                                 *args.pytest_args], cwd=ROOT,
+                                env={**os.environ, "PA_TEST_COSTS": str(record), "PYTHONPATH": path}).returncode
         finally:
             wall = time.time() - t0
             if busy is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_run_config
+from helpers import tiny_run_config
 from periodic_async.config import ConfigError, RunConfig, load_config, parse_cores
 from periodic_async.parallel import affinity
 

@@ -28,8 +28,8 @@ from periodic_async.model import load_policy
 from periodic_async.pipeline import run
 from periodic_async.trace import read_jsonl
 
-from conftest import (DIVERSITY_REWARD, by_prompt, checkpoint_weights, diversity_reward, max_abs_diff, read_rollouts,
-                      stop_shared_ray, tiny_run_config)
+from helpers import (DIVERSITY_REWARD, by_prompt, checkpoint_weights, diversity_reward, max_abs_diff, read_rollouts,
+                     stop_shared_ray, tiny_run_config)
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]

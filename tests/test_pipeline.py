@@ -17,7 +17,7 @@ from periodic_async.model import load_policy
 from periodic_async.pipeline import run
 from periodic_async.trace import read_jsonl
 
-from conftest import by_prompt, checkpoint_weights, diversity_reward, max_abs_diff, read_rollouts, tiny_run_config
+from helpers import by_prompt, checkpoint_weights, diversity_reward, max_abs_diff, read_rollouts, tiny_run_config
 
 HERE = Path(__file__).resolve()
 

@@ -12,7 +12,7 @@ from periodic_async.data import iteration_prompts, load_examples
 from periodic_async.engine import make_engine
 from periodic_async.producer import Producer
 
-from conftest import diversity_reward, tiny_run_config
+from helpers import diversity_reward, tiny_run_config
 
 
 def _cfg(tmp_path, tokenizer_dir, **extra):

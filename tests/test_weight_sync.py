@@ -9,7 +9,7 @@ from periodic_async.engine import make_engine
 from periodic_async.engine.collective import aliases, layout
 from periodic_async.model import load_policy
 
-from conftest import engine_samples, worker_weights
+from helpers import engine_samples, worker_weights
 
 
 def _cfg(tokenizer_dir, weight_sync: str) -> RunConfig:

