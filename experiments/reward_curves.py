@@ -113,8 +113,12 @@ def main(argv=None) -> None:
     name = f"reward_curves_{args.tag}" if args.tag else "reward_curves"
     base = load_config(RunConfig, config, extra)
     if not Path(base.model.name_or_path).is_dir() and base.model.name_or_path not in PRESETS:
-        raise SystemExit(f"{base.model.name_or_path} does not exist: run `bash experiments/{name}.sh`, "
-                         "which builds it")
+        from periodic_async.prepare import MODELS
+
+        how = {m.out_dir: f"`python -m periodic_async prepare-model {k}`" for k, m in MODELS.items()}
+        raise SystemExit(f"{base.model.name_or_path} (model.name_or_path of {config}) does not exist: "
+                         + how.get(base.model.name_or_path.rstrip("/"), "`bash experiments/reward_curves.sh`")
+                         + " builds it")
     rows, summary, outs = {}, [], {}
     engines = SharedEngines()  # started once; each mode's run pushes its own initial weights
     try:

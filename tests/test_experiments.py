@@ -131,3 +131,15 @@ def test_table2_quick(tmp_path, tokenizer_dir):
         ("long-prompt", "periodic-async", "True"),
         ("short-prompt", "sync-colocated", "False"), ("short-prompt", "periodic-async", "True")}
     assert all(r["equal"] == "True" for r in _rows(tmp_path / "table2_token_check.csv"))
+
+
+def test_a_missing_model_names_the_command_that_builds_it(tmp_path):
+    """reward_curves.py with its model directory absent: one line naming the path, the config and
+    the command that writes it (prepare-model for a packaged model), not a guess from --tag."""
+    path = tmp_path / "no-model"
+    done = subprocess.run([sys.executable, str(ROOT / "experiments" / "reward_curves.py"), "--config",
+                           str(ROOT / "experiments" / "reward_curves_real.yaml"), "--tag", "x",
+                           f"model.name_or_path={path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"{path} (model.name_or_path of " in done.stderr and "reward_curves_real.yaml" in done.stderr
+    assert "reward_curves_x.sh" not in done.stderr and "experiments/reward_curves.sh` builds it" in done.stderr
