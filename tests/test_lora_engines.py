@@ -102,6 +102,23 @@ def test_local_engine_serves_the_pushed_adapter_exactly(lora_cfg, policy, tokeni
     assert all(torch.equal(served[k], v) for k, v in base.items())
 
 
+def test_adapter_copies_reach_a_model_whose_storage_moved(lora_cfg, policy):
+    """load_adapter copies straight into the adapter's parameters, found at the first push: after
+    the model is moved to another dtype (new storage, the same parameter objects) a push still
+    reaches it: its probe log-probs follow the second adapter, not the first."""
+    from periodic_async.engine.base import load_adapter
+
+    served, _ = load_policy(lora_cfg)
+    probe = probe_tokens(policy.config.vocab_size)
+    load_adapter(served, adapter(policy))
+    assert np.array_equal(model_logprobs(served, probe), model_logprobs(policy, probe))
+    served.to(torch.float32)
+    second = trained(policy, seed=2)
+    load_adapter(served, adapter(second))
+    reference = model_logprobs(second, probe)
+    assert np.max(np.abs(model_logprobs(served, probe) - reference)) <= 1e-4
+
+
 def test_local_engine_refuses_payloads_that_are_not_its_adapter(lora_cfg, policy):
     """A payload missing an adapter tensor, a full model's state dict, and an adapter of another
     rank are each refused with one message naming what is wrong, before anything is copied: the
