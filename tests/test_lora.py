@@ -21,7 +21,7 @@ from periodic_async.config import (AlgorithmConfig, ConfigError, LoRAConfig, Mod
                                    load_config)
 from periodic_async.consumer import Consumer  # noqa: E402
 from periodic_async.group import Group  # noqa: E402
-from periodic_async.model import apply_lora, build_model, is_lora, load_policy  # noqa: E402
+from periodic_async.model import apply_lora, build_model, is_lora, load_policy, merge_lora  # noqa: E402
 from periodic_async.shared_prompt import token_logprobs  # noqa: E402
 from periodic_async.trimodel import TriModel  # noqa: E402
 
@@ -93,9 +93,11 @@ def trainable(model) -> list[torch.nn.Parameter]:
                                             ("model.lora.rank=-2", "model.lora.rank=-2"),
                                             ("model.lora.dropout=1", "model.lora.dropout=1.0"),
                                             ("model.lora.dropout=-0.1", "model.lora.dropout=-0.1"),
-                                            ("model.lora.target_modules=[]", "model.lora.target_modules=[]")])
+                                            ("model.lora.target_modules=[]", "model.lora.target_modules=[]"),
+                                            ("model.lora.push=full", "model.lora.push")])
 def test_bad_lora_settings_are_one_line(override, field):
-    """rank <= 0, dropout outside [0, 1), no target module: one ConfigError line naming the field."""
+    """rank <= 0, dropout outside [0, 1), no target module, a push that is neither the adapter nor
+    the merged weights: one ConfigError line naming the field."""
     with pytest.raises(ConfigError) as e:
         load_config(RunConfig, None, ["model.lora.enabled=true", override])
     assert str(e.value).startswith(field) and "\n" not in str(e.value)
@@ -291,11 +293,11 @@ def test_engine_state_dict_is_the_adapter(tokenizer_dir):
 
 
 def test_merged_weights_equal_peft_merge(tokenizer):
-    """The checkpoint's merged policy (`checkpoint.merged_state_dict`) is peft's merge_and_unload,
-    and leaves the policy as it was."""
+    """The merged policy (`model.merge_lora`: a checkpoint's model, a merged push) is peft's
+    merge_and_unload, and leaves the policy as it was."""
     policy = lora_policy(tokenizer)
     before = {n: t.clone() for n, t in policy.state_dict().items()}
-    merged = checkpoint.merged_state_dict(policy, policy.state_dict())
+    merged = merge_lora(policy, policy.state_dict())
     want = copy.deepcopy(policy).merge_and_unload().state_dict()
     assert set(merged) == set(want)
     for n, t in want.items():

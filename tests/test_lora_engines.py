@@ -210,6 +210,53 @@ def test_run_stops_when_an_adapter_push_does_not_arrive(tmp_path, tokenizer_dir)
     assert engine.first is not None and engine.version == 1
 
 
+def test_merged_push_serves_the_policy_on_a_plain_engine(lora_cfg, policy):
+    """model.lora.push='merged': the engine holds the plain base model (no adapter); a push is the
+    whole model, W + (alpha / r) B A in every target, named as the base model names its weights
+    (a full fine-tuning push's names); the engine's probe log-probs then equal the trainer's
+    PeftModel's to 1e-12 in fp64 and the push check passes. Control: the base weights alone (the
+    delta left out) leave a gap > 1e-2. The trainer's weights are untouched by the merge."""
+    from periodic_async.model import merge_lora
+
+    cfg = dataclasses.replace(lora_cfg, lora=dataclasses.replace(lora_cfg.lora, push="merged"))
+    engine = make_engine(EngineConfig(backend="local", max_num_seqs=3), cfg)
+    model = engine.workers[0].model
+    assert not is_lora(model)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    merged = merge_lora(policy, policy.state_dict())
+    assert set(merged) == set(model.state_dict()) and not any(".lora_" in k for k in merged)
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+    probe = probe_tokens(policy.config.vocab_size)
+    base_only = {k: v for k, v in policy.get_base_model().state_dict().items() if ".lora_" not in k}
+    engine.update_weights({k.replace(".base_layer", ""): v for k, v in base_only.items()}, 1)
+    assert np.max(np.abs(engine.probe_logprobs(probe)[0] - model_logprobs(policy, probe))) > 1e-2
+    engine.update_weights(merged, 2)
+    assert PushCheck(policy, probe, 1e-3).after_push(engine, 2, 0.0)[0] <= 1e-12
+
+
+def test_merged_and_adapter_pushes_sample_the_same_tokens(tmp_path, tokenizer_dir):
+    """A LoRA run (llama-micro, float64, the built-in engine) with model.lora.push='merged' samples
+    the tokens of the same run with the adapter pushed (two iterations: the second's samples come
+    from trained weights), every push checked (gap <= 1e-12)."""
+    from helpers import read_rollouts, tiny_run_config
+
+    from periodic_async.pipeline import run
+    from periodic_async.trace import read_jsonl
+
+    runs = {}
+    for push in ("adapter", "merged"):
+        cfg = tiny_run_config(tmp_path / push, tokenizer_dir, **{
+            "model.name_or_path": "llama-micro", "model.lora.enabled": "true", "model.lora.rank": 4,
+            "model.lora.alpha": 8, "model.lora.push": push, "engine.backend": "local", "engine.num_workers": 1,
+            "algorithm.lr": 0.05, "trainer.iterations": 2})
+        run(cfg)
+        metrics = read_jsonl(tmp_path / push / "metrics.jsonl")
+        assert len(metrics) == 2 and all(m["probe/max_gap"] <= 1e-12 for m in metrics)
+        runs[push] = [r["response_ids"] for r in sorted(read_rollouts(tmp_path / push),
+                                                        key=lambda r: (r["iteration"], r["prompt_index"]))]
+    assert runs["merged"] == runs["adapter"] and len(runs["merged"]) == 12
+
+
 def test_ray_worker_body_loads_the_adapter_from_read_only_arrays(lora_cfg, policy):
     """What a built-in Ray worker runs (`EngineWorker`, here in this process): the adapter arrives
     as the object store hands it over (read-only numpy arrays, `state_to_numpy`), is loaded, and

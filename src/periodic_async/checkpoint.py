@@ -82,7 +82,7 @@ import torch
 
 from periodic_async import interrupt
 from periodic_async.config import ModelConfig, RunConfig
-from periodic_async.model import is_lora
+from periodic_async.model import is_lora, merge_lora
 
 LATEST = "checkpoint"
 """The symbolic link to the newest complete checkpoint (what `model.name_or_path=<run>/checkpoint` loads)."""
@@ -194,7 +194,7 @@ def _write(out_dir: Path, iteration: int, policy, tokenizer, consumer, cfg: RunC
     if is_lora(policy):
         state = policy.state_dict() if weights is None else weights
         policy.save_pretrained(tmp / ADAPTER, state_dict=state, save_embedding_layers=False)
-        policy.get_base_model().save_pretrained(tmp, state_dict=merged_state_dict(policy, state))
+        policy.get_base_model().save_pretrained(tmp, state_dict=merge_lora(policy, state))
     else:
         policy.save_pretrained(tmp, **({} if weights is None else {"state_dict": weights}))
     if not list(tmp.glob("*.safetensors")) or list(tmp.glob("*.bin")):
@@ -275,34 +275,6 @@ def _load_weights(policy, saved: dict[str, torch.Tensor], ckpt: Path) -> None:
     if untied or result.unexpected_keys:
         raise ValueError(f"checkpoint {str(ckpt)!r} does not fit the policy: missing {untied}, "
                          f"unexpected {result.unexpected_keys}")
-
-
-def merged_state_dict(policy, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """LoRA: the merged policy's weights, named as the plain model names them, from `state` (the
-    PeftModel's whole state dict): each adapted weight W becomes W + scaling * B A (scaling =
-    alpha / r, peft's, read from each layer), computed in float32 or wider and stored in W's
-    dtype; the adapter tensors are left out. What `merge_and_unload()` gives, without touching
-    the policy (tests/test_lora.py compares the two)."""
-    from peft.tuners.lora import LoraLayer
-
-    inner = policy.base_model.model  # the HF model, its LoRA layers injected
-    adapter = policy.active_adapter
-    prefix = "base_model.model."
-    out = {}
-    for name, t in state.items():
-        if ".lora_" in name:
-            continue
-        name = name[len(prefix):] if name.startswith(prefix) else name
-        out[name.replace(".base_layer.", ".")] = t
-    for module_name, module in inner.named_modules():
-        if isinstance(module, LoraLayer) and adapter in module.lora_A:
-            a = state[f"{prefix}{module_name}.lora_A.{adapter}.weight"]
-            b = state[f"{prefix}{module_name}.lora_B.{adapter}.weight"]
-            w = out[f"{module_name}.weight"]
-            wide = torch.promote_types(w.dtype, torch.float32)
-            delta = module.scaling[adapter] * (b.to(wide) @ a.to(wide))
-            out[f"{module_name}.weight"] = (w.to(wide) + delta.to(w.device)).to(w.dtype)
-    return out
 
 
 def _read_adapter(ckpt: Path, device: str = "cpu") -> dict[str, torch.Tensor]:

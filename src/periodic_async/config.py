@@ -44,6 +44,7 @@ WorkerBackend = Literal["auto", "batcher", "vllm"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 WeightSync = Literal["object_store", "collective"]
 VerifyPush = Literal["every", "first", "never"]
+LoRAPush = Literal["adapter", "merged"]
 LRScheduler = Literal["constant", "linear", "cosine"]
 Advantage = Literal["std", "mean"]
 LossNorm = Literal["token-mean", "seq-mean", "constant"]
@@ -133,6 +134,12 @@ class LoRAConfig:
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Names (last component) of the linear modules that get an adapter, each one the model has; or
     ['all-linear']: every linear module but the output layer (peft's 'all-linear')."""
+    push: LoRAPush = "adapter"
+    """What the barrier sends the engines. 'adapter': the engines serve the adapter (vLLM's LoRA
+    requests, the built-in engines' peft model) and each push carries the adapter tensors alone.
+    'merged': the engines hold the plain model and each push carries the whole model with
+    W + (alpha / rank) B A in every target (a full fine-tuning push's bytes; the trainer's weights
+    untouched): for engines that cannot serve adapters or serve them slowly (vLLM's CPU build)."""
 
     def __post_init__(self) -> None:
         _check(self.rank > 0, "model.lora", "rank", self.rank, "must be > 0")

@@ -270,7 +270,13 @@ class Consumer:
         """The policy's weights as the engines hold them: in `model.dtype` (half precision
         when training mixed; the float32 masters stay here). With LoRA the adapter tensors alone,
         named as `peft.get_peft_model_state_dict` names them, on the CPU, in their training dtype
-        (float32 under mixed precision: peft keeps an engine's adapters in float32 on a half base)."""
+        (float32 under mixed precision: peft keeps an engine's adapters in float32 on a half base);
+        with model.lora.push='merged' the whole model with the adapter merged (`model.merge_lora`)."""
+        if self.lora and self.cfg.model.lora.push == "merged":
+            from periodic_async.model import merge_lora
+
+            state = merge_lora(self.policy, self.ranks.full_state_dict(self.policy))  # fsdp: all ranks join
+            return {n: t.detach().to(self.model_dtype) for n, t in state.items()}
         if self.lora:
             from peft import get_peft_model_state_dict
 

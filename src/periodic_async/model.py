@@ -207,6 +207,36 @@ def apply_lora(model: PreTrainedModel, cfg: LoRAConfig, seed: int = 0):
         return get_peft_model(model, lora_config(cfg))
 
 
+def merge_lora(policy, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LoRA: the merged policy's weights, named as the plain model names them, from `state` (the
+    PeftModel's whole state dict): each adapted weight W becomes W + scaling * B A (scaling =
+    alpha / r, peft's, read from each layer), computed in float32 or wider and stored in W's
+    dtype; the adapter tensors are left out. What `merge_and_unload()` gives, without touching
+    the policy (tests/test_lora.py compares the two). What a checkpoint's model directory holds,
+    and what a push carries with model.lora.push='merged' (`state` then a trainer rank's full
+    state dict of the policy)."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = policy.base_model.model  # the HF model, its LoRA layers injected
+    adapter = policy.active_adapter
+    prefix = "base_model.model."
+    out = {}
+    for name, t in state.items():
+        if ".lora_" in name:
+            continue
+        name = name[len(prefix):] if name.startswith(prefix) else name
+        out[name.replace(".base_layer.", ".")] = t
+    for module_name, module in inner.named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            a = state[f"{prefix}{module_name}.lora_A.{adapter}.weight"]
+            b = state[f"{prefix}{module_name}.lora_B.{adapter}.weight"]
+            w = out[f"{module_name}.weight"]
+            wide = torch.promote_types(w.dtype, torch.float32)
+            delta = module.scaling[adapter] * (b.to(wide) @ a.to(wide))
+            out[f"{module_name}.weight"] = (w.to(wide) + delta.to(w.device)).to(w.dtype)
+    return out
+
+
 def is_lora(model: torch.nn.Module) -> bool:
     """Whether `model` is a peft `PeftModel` (a LoRA policy); False when peft was never imported."""
     import sys

@@ -4,7 +4,8 @@
     for out in engine.generate(requests): ...             # groups in completion order
     engine.update_weights(policy.state_dict(), version)   # at the iteration barrier
     (model.lora.enabled: every engine serves its own base + apply_lora, and a push is the adapter
-    alone, as peft.get_peft_model_state_dict names it; base.load_adapter, vllm_engine.py)
+    alone, as peft.get_peft_model_state_dict names it; base.load_adapter, vllm_engine.py; with
+    model.lora.push='merged' the engines hold the plain model and a push is model.merge_lora's)
 
 base.py     the contract (Request, SamplingParams, Sample, RequestOutput, Engine, WeightSync)
 batcher.py  the continuous-batching scheduler and slot KV cache every built-in engine runs
@@ -29,6 +30,10 @@ __all__ = ["Engine", "EngineError", "Request", "RequestOutput", "Sample", "Sampl
 def make_engine(engine_cfg, model_cfg, backend: str | None = None) -> Engine:
     """Build the engine named by `backend` (default `engine_cfg.backend`); it starts at version 0."""
     backend = backend or engine_cfg.backend
+    if model_cfg.lora.enabled and model_cfg.lora.push == "merged":  # the engines hold the plain model
+        import dataclasses
+
+        model_cfg = dataclasses.replace(model_cfg, lora=dataclasses.replace(model_cfg.lora, enabled=False))
     if backend == "local":
         from periodic_async.engine.local import LocalEngine
 

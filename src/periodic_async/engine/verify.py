@@ -27,8 +27,10 @@ told from a push that did not arrive. The built-in engines copy weights exactly 
 LoRA (model.lora.enabled): the push is the adapter alone, and both sides score through it. The
 trainer's policy is a peft model, whose forward applies its adapter; the engines' probes run
 through the adapter they were pushed (the built-in engines' peft model, vLLM's LoRA request of
-the version). A stale adapter, one missing a tensor that was never loaded, or a base that is
-not the trainer's shows as a gap like any push that did not arrive (tests/test_lora_engines.py).
+the version), or through the merged weights (model.lora.push='merged': plain engines, a copy
+loads the merged state dict as for full fine-tuning). A stale adapter, one missing a tensor
+that was never loaded, or a base that is not the trainer's shows as a gap like any push that
+did not arrive (tests/test_lora_engines.py).
 With `copy` the reference is the base built from the config (as the trainer built it) with the
 same adapters, loaded with each pushed adapter.
 
@@ -117,7 +119,7 @@ class PushCheck:
             return None
         atol = engine_cfg.verify_atol if engine_cfg.verify_atol is not None else default_atol(model_cfg.dtype)
         reference = policy
-        if copy and is_lora(policy):  # the pushes carry the adapter alone: the copy needs the base
+        if copy and is_lora(policy) and model_cfg.lora.push == "adapter":  # the pushes carry the adapter alone
             import dataclasses
 
             from periodic_async.model import load_policy
