@@ -15,8 +15,14 @@ LoRA r=16 (alpha 32) on all seven linear projections, one thread:
    against full, with every model kept (beta > 0, two optimizer steps per iteration) and in the
    default (beta = 0, one step: policy only); variants interleaved round by round in one process.
 
-    bash experiments/lora.sh            # 3 rounds (about 12 minutes on 2 cores)
-    QUICK=1 bash experiments/lora.sh    # 1 round, 2 versions, vLLM only, a small micro-batch
+3. learning (results/lora_learning.csv, results/reward_curves_real_lora{,_summary}.csv): the
+   full fine-tuning curve's workload (reward_curves_real.yaml) with LoRA, its learning rate chosen
+   by a short sweep on the training reward (`learning`), then held-out accuracy before and after
+   the curve's 20 iterations.
+
+    bash experiments/lora.sh            # 3 rounds, then the learning runs (about an hour on 2 cores)
+    QUICK=1 bash experiments/lora.sh    # 1 round, 2 versions, vLLM only, a small micro-batch, a toy sweep
+    python experiments/lora.py --parts learning    # one part (trimodel, push, learning)
 """
 
 from __future__ import annotations
@@ -164,6 +170,65 @@ def trimodel_rounds(rounds: int, path: str, shape: tuple[int, int, int, int] = (
     return rows
 
 
+LEARNING_LRS = (3e-5, 1e-4, 3e-4)
+"""The LoRA learning rates of the sweep: 3x to 30x full fine-tuning's 1e-5 (reward_curves_real.yaml)."""
+LEARNING = ["model.lora.enabled=true", "model.lora.push=merged", f"model.lora.rank={LORA['rank']}",
+            f"model.lora.alpha={LORA['alpha']}"]
+"""LoRA on the full fine-tuning curve's workload; the merged push, because vLLM's CPU build samples
+several times slower through an adapter (gen_tok_s in lora_push.csv) and the samples are the same."""
+
+
+def learning(args) -> list[dict]:
+    """LoRA on reward_curves_real.yaml's workload, periodic-async. The sweep: `trainer.iterations`
+    = args.sweep_iterations at each of LEARNING_LRS (constant after one warm-up step), no held-out
+    evaluation; the lr with the highest mean batch accuracy over iterations 2.. wins (training reward:
+    the held-out problems play no part in the choice). The final run: that lr on the full curve's
+    settings (20 iterations, cosine, held-out accuracy every 5), by reward_curves.py, which writes
+    reward_curves_real_lora{,_summary}.csv. Returns the sweep's rows and the final's."""
+    from periodic_async.bench.protocol import SharedEngines
+    from periodic_async.config import RunConfig, load_config
+    from periodic_async.pipeline import run
+    from periodic_async.trace import read_jsonl
+
+    config = HERE / "reward_curves_real.yaml"
+    runs = Path(args.runs) / "lora_learning"
+    quick = ["data.num_train=200", "algorithm.prompts_per_iteration=2", "algorithm.group_size=2",
+             "engine.max_tokens=8"] if args.quick else []
+    rows, engines = [], SharedEngines()
+    try:
+        for lr in LEARNING_LRS[:1] if args.quick else LEARNING_LRS:
+            cfg = load_config(RunConfig, config, LEARNING + quick + [
+                f"algorithm.lr={lr}", "algorithm.lr_scheduler=constant", "algorithm.warmup_steps=1",
+                f"trainer.iterations={args.sweep_iterations}", "data.num_eval=0", "trainer.eval_at_end=false",
+                f"trainer.output_dir={runs}/sweep-lr{lr:g}"])
+            run(cfg, engine=engines.get(cfg))
+            acc = [m["accuracy"] for m in read_jsonl(Path(cfg.trainer.output_dir) / "metrics.jsonl") if "accuracy" in m]
+            rows.append({"kind": "sweep", "lr": lr, "iterations": len(acc),
+                         "batch_accuracy": round(statistics.mean(acc[1:] or acc), 4),
+                         "batch_accuracy_first": round(acc[0], 4), "batch_accuracy_last": round(acc[-1], 4)})
+            print(f"[lora] learning sweep lr={lr:g}: batch accuracy {[round(a, 3) for a in acc]}", flush=True)
+    finally:
+        engines.close()
+    best = max(rows, key=lambda r: r["batch_accuracy"])
+    best["chosen"] = True
+    sys.path.insert(0, str(HERE))
+    import reward_curves
+
+    final_quick = (["--quick", *quick, "trainer.iterations=2", "trainer.eval_every=2", "data.num_eval=2"]
+                   if args.quick else [])
+    reward_curves.main(["--config", str(config), "--tag", "real_lora", "--modes", "periodic-async",
+                        "--results", args.results, "--runs", str(runs), *final_quick, *LEARNING,
+                        f"algorithm.lr={best['lr']}"])
+    from periodic_async.bench.tables import read_csv
+
+    final = read_csv(Path(args.results) / "reward_curves_real_lora_summary.csv")[0]
+    iterations = 2 if args.quick else load_config(RunConfig, config, []).trainer.iterations
+    rows.append({"kind": "final", "lr": best["lr"], "iterations": iterations,
+                 **{k: final[k] for k in ("eval_accuracy_start", "eval_accuracy_end", "eval_n", "gain", "gain_stderr",
+                                          "gain_stderr_paired", "wall_s")}})
+    return rows
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "push-one":
         engine_name, mode, versions, path = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
@@ -176,25 +241,38 @@ def main() -> None:
     ap.add_argument("--engines", default="local,vllm")
     ap.add_argument("--quick", action="store_true", help="1 round, 2 versions, vLLM only, a small micro-batch")
     ap.add_argument("--results", default="results")
+    ap.add_argument("--runs", default="runs/lora")
+    ap.add_argument("--parts", default="trimodel,push,learning",
+                    help="comma-separated: trimodel, push, learning (learning: about 45 minutes)")
+    ap.add_argument("--sweep-iterations", type=int, default=4, help="iterations of each learning-rate sweep run")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - {"trimodel", "push", "learning"}:
+        ap.error(f"--parts {args.parts}: expected trimodel, push, learning")
     if args.quick:  # the same code paths, small: vLLM only, a small micro-batch
         args.rounds, args.versions, args.engines = 1, 2, "vllm"
     from periodic_async.bench.tables import write_csv
     from periodic_async.trace import log_experiment
 
-    out = Path(args.results)
-    tri = (trimodel_rounds(1, args.model, (1, 2, 32, 16)) if args.quick
-           else trimodel_rounds(max(args.rounds, 3), args.model))
-    write_csv(out / "lora_trimodel.csv", tri)
-    push = push_rounds(args.engines.split(","), args.rounds, args.versions, args.model)
-    write_csv(out / "lora_push.csv", push)
-    for r in tri:
-        print(f"{r['mode']:5s} {r['variant']:9s} weights x{r['weights_vs_one_model']:.3f} one model, "
-              f"micro-step {r['micro_step_s']:.3f} s (x{r['micro_step_vs_full']:.2f} full)")
-    for r in push:
-        print(f"{r['engine']:6s} {r['mode']:5s} {r['bytes'] / 2**20:7.1f} MiB  push+check {r['push_check_s']:.3f} s "
-              f"(x{r['push_check_vs_full']:.2f} full)")
-    log_experiment("lora", [out / "lora_push.csv", out / "lora_trimodel.csv"])
+    out, written = Path(args.results), []
+    if "trimodel" in parts:
+        tri = (trimodel_rounds(1, args.model, (1, 2, 32, 16)) if args.quick
+               else trimodel_rounds(max(args.rounds, 3), args.model))
+        written.append(write_csv(out / "lora_trimodel.csv", tri))
+        for r in tri:
+            print(f"{r['mode']:5s} {r['variant']:9s} weights x{r['weights_vs_one_model']:.3f} one model, "
+                  f"micro-step {r['micro_step_s']:.3f} s (x{r['micro_step_vs_full']:.2f} full)")
+    if "push" in parts:
+        push = push_rounds(args.engines.split(","), args.rounds, args.versions, args.model)
+        written.append(write_csv(out / "lora_push.csv", push))
+        for r in push:
+            print(f"{r['engine']:6s} {r['mode']:5s} {r['bytes'] / 2**20:7.1f} MiB  push+check "
+                  f"{r['push_check_s']:.3f} s (x{r['push_check_vs_full']:.2f} full)")
+    if "learning" in parts:
+        rows = learning(args)
+        written.append(write_csv(out / "lora_learning.csv", rows))
+        print(f"[lora] learning: {rows[-1]}")
+    log_experiment("lora", written)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # LoRA against full fine-tuning on SmolLM2-135M-Instruct: the push (bytes, push + check time, built-in
 # engine and vLLM) and the tri-model (weight bytes, micro-step time); see lora.py.
-#   bash experiments/lora.sh           3 rounds (about 12 minutes on 2 cores)
+#   bash experiments/lora.sh           3 rounds, then the learning runs (about an hour on 2 cores)
 #   QUICK=1 bash experiments/lora.sh   1 round, 2 versions; RESULTS_DIR (default results)
 set -euo pipefail
 cd "$(dirname "$0")/.."
