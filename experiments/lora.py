@@ -8,21 +8,27 @@ LoRA r=16 (alpha 32) on all seven linear projections, one thread:
 1. push (results/lora_push.csv): per engine (the built-in engine in this process, vLLM in this
    process), the bytes of one push and the seconds of the push and of its check (the probe's
    log-probs on the engine against the trainer's), median over versions 2..V of one process
-   (version 1 is the engine's first push). One process per (engine, mode): a process holds one
-   vLLM engine. The two modes alternate round by round; ratios are medians of per-round ratios.
+   (version 1 is the engine's first push); then the engine's sampling speed through what the
+   last push left (gen_tok_s: 8 requests x 32 tokens, eos ignored; with LoRA through the
+   adapter). One process per (engine, mode): a process holds one vLLM engine. The two modes
+   alternate round by round; ratios are medians of per-round ratios.
 2. tri-model (results/lora_trimodel.csv): parameter bytes of policy + old + ref, and one
    micro-step's time (2 groups x 4 responses x 64 tokens after a 128-token prompt), LoRA
    against full, with every model kept (beta > 0, two optimizer steps per iteration) and in the
    default (beta = 0, one step: policy only); variants interleaved round by round in one process.
-
-3. learning (results/lora_learning.csv, results/reward_curves_real_lora{,_summary}.csv): the
+   The trainer's peak memory (peak_rss_mib, on the all_kept rows): the peak resident set of a
+   process that loads the policy and runs one such micro-step and one AdamW step (interpreter
+   and libraries included), one process per mode and round.
+3. iteration (results/lora_iteration.csv): sync-separated and periodic-async, full and LoRA, on
+   async_speedup_real.yaml's deployment at B=8 (`iteration_rounds`), interleaved rounds.
+4. learning (results/lora_learning.csv, results/reward_curves_real_lora{,_summary}.csv): the
    full fine-tuning curve's workload (reward_curves_real.yaml) with LoRA, its learning rate chosen
    by a short sweep on the training reward (`learning`), then held-out accuracy before and after
    the curve's 20 iterations.
 
-    bash experiments/lora.sh            # 3 rounds, then the learning runs (about an hour on 2 cores)
+    bash experiments/lora.sh            # 3 rounds of each part, then the learning runs (about 1.5 hours)
     QUICK=1 bash experiments/lora.sh    # 1 round, 2 versions, vLLM only, a small micro-batch, a toy sweep
-    python experiments/lora.py --parts learning    # one part (trimodel, push, learning)
+    python experiments/lora.py --parts learning    # some parts (trimodel, push, iteration, learning)
 """
 
 from __future__ import annotations
@@ -85,10 +91,20 @@ def push_one(engine_name: str, mode: str, versions: int, path: str) -> dict:
             rows.append({"extract_s": extract_s, "push_s": push_s, "check_s": check.last["time/verify_s"],
                          "gap": float(gaps[0]), "bytes": sum(t.numel() * t.element_size() for t in unique),
                          "tensors": len(state)})
+        from periodic_async.engine.base import Request, SamplingParams
+
+        # generation through what the last push left (the adapter with LoRA): 8 slots x 32 tokens each
+        prompts = [probe_tokens(policy.config.vocab_size, 24, seed=s) for s in range(8)]
+        reqs = [Request(f"gen-{i}", p, 1, SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True), i)
+                for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        tokens = sum(len(smp.token_ids) for out in engine.generate(reqs) for smp in out.samples)
+        gen_tok_s = tokens / (time.perf_counter() - t0)
     finally:
         engine.close()
     steady = rows[1:] or rows
     out = {k: statistics.median(r[k] for r in steady) for k in ("extract_s", "push_s", "check_s")}
+    out["gen_tok_s"] = round(gen_tok_s, 1)
     out.update(bytes=rows[0]["bytes"], tensors=rows[0]["tensors"], max_gap=max(r["gap"] for r in rows),
                versions=len(steady))
     return out
@@ -123,6 +139,8 @@ def push_rounds(engines: list[str], rounds: int, versions: int, path: str) -> li
                 "push_check_vs_full": round(statistics.median(ratio), 3),
                 "push_check_vs_full_min": round(min(ratio), 3), "push_check_vs_full_max": round(max(ratio), 3),
                 "extract_s": round(statistics.median(r["extract_s"] for r in rs), 4),
+                "gen_tok_s": statistics.median(r["gen_tok_s"] for r in rs),
+                "gen_vs_full": round(statistics.median(a["gen_tok_s"] / b["gen_tok_s"] for a, b in zip(rs, full)), 3),
                 "max_gap": max(r["max_gap"] for r in rs), "rounds": len(rs),
                 "versions_per_round": rs[0]["versions"], "model": Path(path).name, "lora_rank": LORA["rank"]})
     return rows
@@ -168,6 +186,75 @@ def trimodel_rounds(rounds: int, path: str, shape: tuple[int, int, int, int] = (
                      "packed_tokens": inputs.packed.num_tokens, "rounds": len(ts), "model": Path(path).name,
                      "lora_rank": LORA["rank"]})
     return rows
+
+
+ITERATION = ["algorithm.prompts_per_iteration=8", "trainer.iterations=2"]
+"""async_speedup_real.yaml (one vLLM worker on one core, the trainer on the other) at B=8: one
+measured iteration per run (the first is start-up)."""
+ITERATION_MODES = {"sync-separated": ["algorithm.micro_batch_tokens=4096"], "periodic-async": []}
+"""Each mode's best setting, as async_speedup.py's real-model setting: the synchronous mode trains
+the whole batch in large micro-batches, periodic-async one group at a time."""
+
+
+def iteration_rounds(rounds: int, quick: bool, runs: Path) -> list[dict]:
+    """Sync-separated and periodic-async, full fine-tuning and LoRA (merged push: vLLM's CPU build
+    samples through an adapter several times slower, gen_tok_s in lora_push.csv), interleaved
+    round by round (bench.protocol.measure): tokens/s, phase times and the trainer's peak memory."""
+    from periodic_async.bench.protocol import SharedEngines, System, measure
+    from periodic_async.config import RunConfig, load_config
+    from periodic_async.engine.ray_cluster import init_ray
+    from periodic_async.pipeline import run
+
+    config = HERE / "async_speedup_real.yaml"
+    quick_o = ["algorithm.prompts_per_iteration=2", "algorithm.group_size=2", "engine.max_tokens=8",
+               "data.num_train=100"] if quick else []
+    engines, systems = SharedEngines(), []
+    for variant in ("full", "lora"):
+        for mode, own in ITERATION_MODES.items():
+            cfg = load_config(RunConfig, config, ITERATION + quick_o + own + (LEARNING if variant == "lora" else [])
+                              + [f"pipeline.mode={mode}", f"trainer.output_dir={runs}/iteration/{variant}-{mode}"])
+            systems.append(System(f"{variant}/{mode}", (lambda c: lambda: run(c, engine=engines.get(c)))(cfg), cfg))
+    init_ray(systems[0].settings.engine)
+    try:
+        res = measure(systems, repeats=rounds, ignore_settings=("trainer.output_dir",))
+    finally:
+        engines.close()
+    rows = []
+    for name, r in res.items():
+        variant, mode = name.split("/")
+        same_variant_sync, same_mode_full = res[f"{variant}/sync-separated"], res[f"full/{mode}"]
+        rows.append({"mode": mode, "variant": variant, **r.row(["tokens_per_s"], 1),
+                     **{k: round(r.stats(k).median, 3) for k in ("mean_iteration_s", "mean_generate_s",
+                                                                 "mean_train_s", "mean_sync_s")},
+                     "speedup_vs_sync_separated": round(r.ratio(same_variant_sync).median, 3),
+                     "tokens_per_s_vs_full": round(r.ratio(same_mode_full).median, 3),
+                     "tokens_per_s_vs_full_min": round(r.ratio(same_mode_full).min, 3),
+                     "tokens_per_s_vs_full_max": round(r.ratio(same_mode_full).max, 3),
+                     "measured_iterations": r.measured_iterations, **r.provenance()})
+    return rows
+
+
+def peak_one(mode: str, path: str) -> dict:
+    """One process: load the policy (full or LoRA), run one tri-model micro-step (every model kept:
+    beta > 0, the old policy's forward) and one optimizer step; its peak resident memory."""
+    import resource
+
+    sys.path.insert(0, str(HERE))
+    from trimodel_cost import make_micro_batch
+
+    from periodic_async import grpo
+    from periodic_async.config import AlgorithmConfig
+    from periodic_async.model import load_policy
+    from periodic_async.trimodel import TriModel
+
+    torch.set_num_threads(1)
+    policy = load_policy(_model_cfg(path, mode == "lora"))[0]
+    tri = TriModel(policy, AlgorithmConfig(group_size=4, beta=0.04, skip_old_forward=False))
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6)
+    inputs = make_micro_batch(policy.config.vocab_size, 2, 4, 128, 64).build(shared=True)
+    tri.micro_step(inputs, grpo.LossAccumulator("token-mean"))
+    opt.step()
+    return {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
 LEARNING_LRS = (3e-5, 1e-4, 3e-4)
@@ -230,6 +317,9 @@ def learning(args) -> list[dict]:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "peak-one":
+        print(json.dumps(peak_one(sys.argv[2], sys.argv[3])))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "push-one":
         engine_name, mode, versions, path = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
         print(json.dumps(push_one(engine_name, mode, versions, path)))
@@ -242,13 +332,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 round, 2 versions, vLLM only, a small micro-batch")
     ap.add_argument("--results", default="results")
     ap.add_argument("--runs", default="runs/lora")
-    ap.add_argument("--parts", default="trimodel,push,learning",
-                    help="comma-separated: trimodel, push, learning (learning: about 45 minutes)")
+    ap.add_argument("--parts", default="trimodel,push,iteration,learning",
+                    help="comma-separated: trimodel, push, iteration, learning (learning: about 45 minutes)")
     ap.add_argument("--sweep-iterations", type=int, default=4, help="iterations of each learning-rate sweep run")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if parts - {"trimodel", "push", "learning"}:
-        ap.error(f"--parts {args.parts}: expected trimodel, push, learning")
+    if parts - {"trimodel", "push", "iteration", "learning"}:
+        ap.error(f"--parts {args.parts}: expected trimodel, push, iteration, learning")
     if args.quick:  # the same code paths, small: vLLM only, a small micro-batch
         args.rounds, args.versions, args.engines = 1, 2, "vllm"
     from periodic_async.bench.tables import write_csv
@@ -258,6 +348,18 @@ def main() -> None:
     if "trimodel" in parts:
         tri = (trimodel_rounds(1, args.model, (1, 2, 32, 16)) if args.quick
                else trimodel_rounds(max(args.rounds, 3), args.model))
+        peaks: dict[str, list[float]] = {"full": [], "lora": []}
+        for rnd in range(1 if args.quick else max(args.rounds, 3)):
+            for mode in ("full", "lora") if rnd % 2 == 0 else ("lora", "full"):
+                r = subprocess.run([sys.executable, __file__, "peak-one", mode, args.model], capture_output=True,
+                                   text=True)
+                if r.returncode != 0:
+                    sys.exit(f"lora.py: peak memory of {mode} failed:\n{r.stderr[-3000:]}")
+                peaks[mode].append(json.loads(r.stdout.strip().splitlines()[-1])["peak_rss_mib"])
+        for row in tri:
+            if row["variant"] == "all_kept":  # the process that trains with every model kept
+                row["peak_rss_mib"] = statistics.median(peaks[row["mode"]])
+                row["peak_rss_vs_full"] = round(row["peak_rss_mib"] / statistics.median(peaks["full"]), 3)
         written.append(write_csv(out / "lora_trimodel.csv", tri))
         for r in tri:
             print(f"{r['mode']:5s} {r['variant']:9s} weights x{r['weights_vs_one_model']:.3f} one model, "
@@ -268,6 +370,12 @@ def main() -> None:
         for r in push:
             print(f"{r['engine']:6s} {r['mode']:5s} {r['bytes'] / 2**20:7.1f} MiB  push+check "
                   f"{r['push_check_s']:.3f} s (x{r['push_check_vs_full']:.2f} full)")
+    if "iteration" in parts:
+        rows = iteration_rounds(1 if args.quick else args.rounds, args.quick, Path(args.runs))
+        written.append(write_csv(out / "lora_iteration.csv", rows))
+        for r in rows:
+            print(f"{r['variant']:5s} {r['mode']:15s} {r['tokens_per_s']:7.1f} tokens/s "
+                  f"(x{r['speedup_vs_sync_separated']:.2f} sync-separated, x{r['tokens_per_s_vs_full']:.2f} full)")
     if "learning" in parts:
         rows = learning(args)
         written.append(write_csv(out / "lora_learning.csv", rows))

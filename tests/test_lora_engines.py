@@ -257,6 +257,26 @@ def test_merged_and_adapter_pushes_sample_the_same_tokens(tmp_path, tokenizer_di
     assert runs["merged"] == runs["adapter"] and len(runs["merged"]) == 12
 
 
+def test_merged_lora_runs_share_the_plain_models_engine(tmp_path, tokenizer_dir):
+    """A benchmark's shared engines (bench.protocol.SharedEngines) key on what the engines serve:
+    a merged-LoRA run uses the full fine-tuning run's engine (both hold the plain model); an
+    adapter-LoRA run gets an engine of its own."""
+    from helpers import tiny_run_config
+
+    from periodic_async.bench.protocol import SharedEngines
+
+    common = {"model.name_or_path": "llama-micro", "engine.backend": "local", "engine.num_workers": 1}
+    lora = {"model.lora.enabled": "true", "model.lora.rank": 4}
+    full, merged, served = (tiny_run_config(tmp_path, tokenizer_dir, **common, **more) for more in (
+        {}, {**lora, "model.lora.push": "merged"}, lora))
+    engines = SharedEngines()
+    try:
+        assert engines.get(merged) is engines.get(full)
+        assert engines.get(served) is not engines.get(full) and is_lora(engines.get(served).workers[0].model)
+    finally:
+        engines.close()
+
+
 def test_ray_worker_body_loads_the_adapter_from_read_only_arrays(lora_cfg, policy):
     """What a built-in Ray worker runs (`EngineWorker`, here in this process): the adapter arrives
     as the object store hands it over (read-only numpy arrays, `state_to_numpy`), is loaded, and

@@ -37,8 +37,9 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from periodic_async.records import git_commit
+from periodic_async.engine import served_model
 from periodic_async.pipeline import build_engine
+from periodic_async.records import git_commit
 
 
 @dataclass
@@ -225,8 +226,7 @@ class SharedEngines:
         self.cache: dict[str, Any] = {}
 
     def get(self, cfg):
-
-        key = repr((cfg.engine, cfg.model))
+        key = repr((cfg.engine, served_model(cfg.model)))  # a merged-LoRA run shares the plain model's engine
         if key not in self.cache:
             self.cache[key] = build_engine(cfg)
         return self.cache[key]

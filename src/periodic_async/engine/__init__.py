@@ -25,15 +25,24 @@ from periodic_async.engine.base import (Engine, EngineError, Request, RequestOut
                                         WeightSync, assign_workers)
 
 __all__ = ["Engine", "EngineError", "Request", "RequestOutput", "Sample", "SamplingParams", "WeightSync",
-           "assign_workers", "make_engine"]
+           "assign_workers", "make_engine", "served_model"]
+
+def served_model(model_cfg):
+    """The model config the engines build: `model_cfg` when they serve a LoRA adapter, else the
+    plain model's (no LoRA settings: without LoRA, or with model.lora.push='merged', where the
+    engines hold the plain model and take the merged weights). Equal for every run whose engines
+    hold the same thing."""
+    if model_cfg.lora.enabled and model_cfg.lora.push == "adapter":
+        return model_cfg
+    import dataclasses
+
+    return dataclasses.replace(model_cfg, lora=type(model_cfg.lora)())
+
 
 def make_engine(engine_cfg, model_cfg, backend: str | None = None) -> Engine:
     """Build the engine named by `backend` (default `engine_cfg.backend`); it starts at version 0."""
     backend = backend or engine_cfg.backend
-    if model_cfg.lora.enabled and model_cfg.lora.push == "merged":  # the engines hold the plain model
-        import dataclasses
-
-        model_cfg = dataclasses.replace(model_cfg, lora=dataclasses.replace(model_cfg.lora, enabled=False))
+    model_cfg = served_model(model_cfg)
     if backend == "local":
         from periodic_async.engine.local import LocalEngine
 
