@@ -1,9 +1,11 @@
 """Fill README.md and docs/*.md from results/*.csv (never edit a rendered number by hand).
 
 The documents hold the prose; this script holds the numbers and the verdicts of the paper's
-claims ("Periodic Asynchrony", arXiv 2511.18871). Two markers:
+claims ("Periodic Asynchrony", arXiv 2511.18871: Table 2, asynchrony against its bound,
+shared-prompt attention, Figure 1, the reward curves, on-policy equivalence, the tri-model,
+scaling). Two markers:
 
-- `<!-- v:NAME -->1.49x<!-- /v -->` within a sentence: the render puts the value NAME between the
+- `<!-- v:NAME -->1.49x<!-- /v -->` within a sentence: the render puts VALUES[NAME] between the
   two comments, so the Markdown reads as it renders. A reading that depends on the numbers is
   either a verdict computed here (the README's claims table and the GPU check's goals) or fixed
   prose with an assertion over the committed CSV in tests/test_update_readme.py, which fails
@@ -53,50 +55,26 @@ X1, X2, X3, F1, F2, F3, G3, E1, INT = (_f(".1f", "x"), _f(".2f", "x"), _f(".3f",
                                        _f(".3f"), _f(".3g"), _f(".1e"), _f(".0f"))
 PTS, PT, PCT, K = _f("+.1f", scale=100), _f(".1f", scale=100), _f("+.0f", "%", 100), _f(".1f", "k", 1e-3)
 STR, CODE, COMMIT = str, "`{}`".format, (lambda v: v[:7])
+MIN = lambda v: f"{float(v):.0f} s" if float(v) < 120 else f"{float(v) / 60:.0f} min"  # '74 s', else '3 min'
 
-
-def MIN(v):
-    """Seconds as the docs say them: '74 s' under two minutes, else '3 min'."""
-    return f"{float(v):.0f} s" if float(v) < 120 else f"{float(v) / 60:.0f} min"
-
-
-# --- row filters (a dict: those rows whose columns hold its values) and derivations
+# --- row filters (a dict: the rows whose columns hold its values) and the derivations VALUES shares
 PA, SEP, COL, OFF = ({"mode": m} for m in ("periodic-async", "sync-separated", "sync-colocated", "async-offpolicy"))
-T2_BEST = {"system": "periodic-async", "shared_prompt": "True"}
+T2_BEST = {"system": "periodic-async", "shared_prompt": "True"}  # Table 2's rows of periodic-async at its best
 BOTH = {"shared_prompt": "True", "mode": "periodic-async"}  # shared prompts and asynchrony together
-
-
-def _first(rows):
-    return rows[:1]
-
-
-def _status(prefix):
-    return lambda rows: [r for r in rows if r.get("status", "").startswith(prefix)]
-
-
-def _mode(rows, mode):
-    return next(r for r in rows if r["mode"] == mode)
-
-
-def _median(col):
-    return lambda rows: statistics.median(float(r[col]) for r in rows)
-
-
-def _mean(col):
-    return lambda rows: statistics.fmean(float(r[col]) for r in rows if r[col] not in ("", None))
-
-
-def _range(col):
-    return lambda rows: (min(float(r[col]) for r in rows if r[col]), max(float(r[col]) for r in rows if r[col]))
-
-
-def _cpu(rows):
-    """The machines the rows were measured on (their `cpu` column), or 'not recorded'."""
-    return "; ".join(sorted({r["cpu"] for r in rows if r.get("cpu")})) or "not recorded"
-
-
-def _split(rows):
-    return [r for r in rows if r["backend"] == "split"] or rows
+_first = lambda rows: rows[:1]
+_status = lambda prefix: lambda rows: [r for r in rows if r.get("status", "").startswith(prefix)]
+_mode = lambda rows, mode: next(r for r in rows if r["mode"] == mode)
+_median = lambda col: lambda rows: statistics.median(float(r[col]) for r in rows)
+_mean = lambda col: lambda rows: statistics.fmean(float(r[col]) for r in rows if r[col] not in ("", None))
+_range = lambda col: lambda rows: tuple(f(float(r[col]) for r in rows if r[col]) for f in (min, max))
+_cpu = lambda rows: "; ".join(sorted({r["cpu"] for r in rows if r.get("cpu")})) or "not recorded"  # the machines
+_split = lambda rows: [r for r in rows if r["backend"] == "split"] or rows  # shared_prompt.csv's split back-end
+_gpu_seconds = lambda rows: int(re.search(r"== results \((\d+)s in all\)", rows[0]["text"]).group(1))
+_parts = lambda rows: next(r for r in rows if float(r["identical_fraction"]) < 1)  # an equivalence case parts
+_tps = lambda rows, devices: float(next(r for r in rows if int(r["devices"]) == int(devices))["tokens_per_s"])
+_sizes = lambda rows: sorted({int(r["devices"]) for r in rows})
+_gain = lambda rows, lo=None: _tps(rows, _sizes(rows)[-1]) / _tps(rows, lo or _sizes(rows)[0])  # largest over lo
+_linear = lambda rows: _gain(rows) / (_sizes(rows)[-1] / _sizes(rows)[0])
 
 
 def _gpu_at_shape(rows):
@@ -107,12 +85,8 @@ def _gpu_at_shape(rows):
 
 
 def _mfu(rows):
-    """The GPU trainer's best row on the 1.5B architecture."""
+    """The GPU trainer's row of the highest MFU on the 1.5B architecture."""
     return [max((r for r in _status("ok")(rows) if r["model"] == "qwen2.5-1.5b"), key=lambda r: float(r["mfu"]))]
-
-
-def _gpu_seconds(rows):
-    return int(re.search(r"== results \((\d+)s in all\)", rows[0]["text"]).group(1))
 
 
 def _leaves(rows):
@@ -120,11 +94,6 @@ def _leaves(rows):
     sync = {r["iteration"]: r["reward_mean"] for r in rows if r["mode"] == "sync-separated"}
     return next(r["iteration"] for r in rows if r["mode"] == "async-offpolicy" and r["reward_mean"]
                 and r["reward_mean"] != sync.get(r["iteration"]))
-
-
-def _parts(rows):
-    """The first iteration of an equivalence case whose samples are not all identical."""
-    return next(r for r in rows if float(r["identical_fraction"]) < 1)
 
 
 def _steady(trainer: bool):
@@ -140,23 +109,6 @@ def _best(device="H100-SXM-80GB", **match):
                                 and r["best"] == "True" and (r["device_type"] == device or device == "measured"
                                                              and r["device_type"].endswith(" (measured)"))
                                 and all(r[k] == v for k, v in match.items())), key=lambda r: int(r["devices"]))
-
-
-def _tps(rows, devices):
-    return float(next(r for r in rows if int(r["devices"]) == int(devices))["tokens_per_s"])
-
-
-def _sizes(rows):
-    return sorted({int(r["devices"]) for r in rows})
-
-
-def _gain(rows, lo=None):
-    """Tokens/s on the largest size over those on `lo` devices (the smallest by default)."""
-    return _tps(rows, _sizes(rows)[-1]) / _tps(rows, lo or _sizes(rows)[0])
-
-
-def _linear(rows):
-    return _gain(rows) / (_sizes(rows)[-1] / _sizes(rows)[0])
 
 
 def _vs(mode, device):
@@ -376,7 +328,8 @@ for _b in ("flex", "split"):
 for _tag, _file in (("sa", "shared_async.csv"), ("sar", "shared_async_real.csv")):
     VALUES[f"{_tag}.verdict"] = (_file, None, _shared_async_verdict)
     for _name, _where in (("shared", {"shared_prompt": "True", "mode": "sync-separated"}), ("both", BOTH),
-                          ("async", {"shared_prompt": "False", "mode": "periodic-async"}), ("product", {"mode": "product"})):
+                          ("async", {"shared_prompt": "False", "mode": "periodic-async"}),
+                          ("product", {"mode": "product"})):
         VALUES[f"{_tag}.{_name}"] = (_file, _where, "speedup", X2)
     VALUES |= _cols(f"{_tag}.both", _file, BOTH, "repeats", mean_prompt_tokens=INT)
 
@@ -538,10 +491,6 @@ def _load(results: Path, file) -> list[dict] | None:
     return rows
 
 
-def _rows(results: Path, name: str) -> list[dict]:
-    return _load(results, name) or []
-
-
 def value(results: Path, name: str) -> str:
     """VALUES[name] from the CSVs under `results`, formatted."""
     file, where, what, fmt = (*VALUES[name], STR)[:4]
@@ -564,20 +513,25 @@ def value(results: Path, name: str) -> str:
             raise Missing(f"empty cell in {file}")
         return fmt(x)
     return "-".join(map(one, v)) if isinstance(v, tuple) else " / ".join(map(one, v)) if isinstance(v, list) else one(v)
+
+
 # --- tables: TABLES are a CSV's columns; BLOCKS build theirs
+ASYNC = ("mode tokens_per_s tokens_per_s_min tokens_per_s_max speedup_vs_sync_separated speedup_min speedup_max bound "
+         "efficiency efficiency_min efficiency_max bound_overlapped speedup_vs_sync_colocated repeats")
+"""The columns shown of every async_speedup*.csv."""
 TABLES = {  # marker -> (csv under results/, script that writes it, columns shown: all when None)
     "sft": ("sft.csv", "experiments/warm_start.sh", None),
     "fig1_timeline": ("fig1_timeline.csv", "experiments/fig1_timeline.sh", None),
     "equivalence": ("equivalence.csv", "experiments/equivalence.sh", None),
-    "async_speedup": ("async_speedup.csv", "experiments/async_speedup.sh", "ASYNC"),
-    "async_balanced": ("async_speedup_balanced.csv", "experiments/async_speedup.sh", "ASYNC"),
-    "async_balanced_run2": ("async_speedup_balanced_run2/async_speedup_balanced.csv", "experiments/async_speedup.sh "
-                            "--settings balanced (RESULTS_DIR=results/async_speedup_balanced_run2)", "ASYNC+"),
-    "async_balanced_run3": ("async_speedup_balanced_run3/async_speedup_balanced.csv", "experiments/async_speedup.sh "
-                            "--settings balanced (RESULTS_DIR=results/async_speedup_balanced_run3)", "ASYNC+"),
+    "async_speedup": ("async_speedup.csv", "experiments/async_speedup.sh", ASYNC),
+    "async_balanced": ("async_speedup_balanced.csv", "experiments/async_speedup.sh", ASYNC),
+    **{f"async_balanced_{r}": (f"async_speedup_balanced_{r}/async_speedup_balanced.csv", "experiments/async_speedup.sh "
+                               f"--settings balanced (RESULTS_DIR=results/async_speedup_balanced_{r})",
+                               ASYNC + " git_commit") for r in ("run2", "run3")},
     "phase_contention": ("phase_contention.csv", "experiments/async_speedup.sh",
                          "model case process rate rate_min rate_max vs_alone step_cpu_ms repeats cpu"),
-    "async_real": ("async_speedup_real.csv", "experiments/async_speedup.sh --settings real-model", "ASYNC+"),
+    "async_real": ("async_speedup_real.csv", "experiments/async_speedup.sh --settings real-model",
+                   ASYNC + " git_commit"),
     "async_real_phases": ("async_speedup_real_phases.csv", "experiments/async_speedup.sh --settings real-model",
                           "mode mean_generate_s mean_train_s mean_iteration_s mean_sync_s mean_first_group_s "
                           "mean_after_generation_s repeats"),
@@ -627,10 +581,6 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
     "trl_dropin": ("trl_dropin.csv", "experiments/trl_dropin.sh",
                    "system step_s step_s_min step_s_max speedup speedup_min speedup_max train_s repeats git_commit"),
 }
-ASYNC_COLUMNS = ("mode tokens_per_s tokens_per_s_min tokens_per_s_max speedup_vs_sync_separated speedup_min "
-                 "speedup_max bound efficiency efficiency_min efficiency_max bound_overlapped "
-                 "speedup_vs_sync_colocated repeats")
-"""The columns shown of every async_speedup*.csv ("ASYNC" above; "ASYNC+" adds git_commit)."""
 
 
 def _md(head: list[str], body) -> str:
@@ -638,38 +588,29 @@ def _md(head: list[str], body) -> str:
                      + ["| " + " | ".join(map(str, r)) + " |" for r in body])
 
 
-def table(path: Path, columns: str | None = None) -> str:
-    """The CSV as a Markdown table; `columns` picks (and orders) the columns shown."""
+def table_block(results: Path, name: str) -> str:
+    """TABLES[name]: the CSV's columns (picked and ordered) under the line naming the file, where its
+    rows were measured (their commits and machines, or that the CSV predates the column: the
+    experiments stamp both on every row they write now) and the script that writes it."""
+    file, script, columns = TABLES[name]
+    if not (path := results / file).is_file():
+        return f"_not measured yet: `bash {script}`_"
     with path.open() as f:
         head, *body = list(csv.reader(f))
+    rows = [r for r in (dict(zip(head, b)) for b in body) if r.get("git_commit") or "git_commit" not in r]
+    commits, cpus = sorted({r["git_commit"][:7] for r in rows if r.get("git_commit")}), _cpu(rows)
+    where = (f"commit {', '.join(commits)}" if commits else "commit not recorded: the CSV predates its `git_commit` "
+             "column") + ("; CPU not recorded: the CSV predates its `cpu` column" if cpus == "not recorded" else
+                          f"; {cpus}" + ("; rows written before the `cpu` column do not say"
+                                         if any(not r.get("cpu") for r in rows) else ""))
     if columns:
-        names = {"ASYNC": ASYNC_COLUMNS, "ASYNC+": ASYNC_COLUMNS + " git_commit"}.get(columns, columns).split()
-        keep = [head.index(c) for c in names if c in head]
+        keep = [head.index(c) for c in columns.split() if c in head]
         head, body = [head[i] for i in keep], [[r[i] for i in keep] for r in body]
-    return _md(head, body)
+    return f"`{path}` ({where}), written by `bash {script}`:\n\n{_md(head, body)}"
 
 
-def provenance(path: Path) -> str:
-    """Where a CSV's rows were measured: their commits (`git_commit`) and machines (`cpu`), or that
-    the CSV predates the column (the experiments stamp both on every row they write now)."""
-    with path.open() as f:
-        rows = [r for r in csv.DictReader(f) if r.get("git_commit") or "git_commit" not in r]
-    commits = sorted({r["git_commit"][:7] for r in rows if r.get("git_commit")})
-    cpus = sorted({r["cpu"] for r in rows if r.get("cpu")})
-    text = (f"commit {', '.join(commits)}" if commits
-            else "commit not recorded: the CSV predates its `git_commit` column")
-    if not cpus:
-        return text + "; CPU not recorded: the CSV predates its `cpu` column"
-    return text + f"; {'; '.join(cpus)}" + ("; rows written before the `cpu` column do not say"
-                                            if any(not r.get("cpu") for r in rows) else "")
-
-
-def table_block(results: Path, name: str) -> str:
-    file, script, columns = TABLES[name]
-    path = results / file
-    if not path.is_file():
-        return f"_not measured yet: `bash {script}`_"
-    return f"`{path}` ({provenance(path)}), written by `bash {script}`:\n\n{table(path, columns)}"
+def _rows(results: Path, name: str) -> list[dict]:
+    return _load(results, name) or []
 
 
 def vllm_speed(results: Path) -> str:
@@ -680,19 +621,16 @@ def vllm_speed(results: Path) -> str:
         ratios.setdefault(r["model"], []).append(float(r["vllm_vs_builtin"]))
     if not ratios:
         return "not measured yet: `bash experiments/engine_throughput.sh`"
-    spans = {m: sorted({f"{min(v):.1f}", f"{max(v):.1f}"}, key=float) for m, v in ratios.items()}
-    return (", ".join(f"{'-'.join(s)}x the built-in engine on {m}" for m, s in spans.items())
-            + f" (`{results}/engine.csv`)")
+    return ", ".join(f"{'-'.join(sorted({f'{min(v):.1f}', f'{max(v):.1f}'}, key=float))}x the built-in engine on {m}"
+                     for m, v in ratios.items()) + f" (`{results}/engine.csv`)"
 
 
 def weight_sync(results: Path) -> str:
     """weight_sync_collective.csv as one row per preset: object store against collective."""
-    rows = _rows(results, "weight_sync_collective.csv")
-    if not rows:
+    if not (rows := _rows(results, "weight_sync_collective.csv")):
         return "_not measured yet: `python experiments/weight_sync_collective.py`_"
     s = lambda v: f"{float(v):.2g}" if float(v) < 0.01 else f"{float(v):.3f}" if float(v) < 0.1 else F2(v)
-    by = {(r["preset"], r["path"]): r for r in rows}
-    body = []
+    by, body = {(r["preset"], r["path"]): r for r in rows}, []
     for preset in dict.fromkeys(r["preset"] for r in rows):
         store, coll = by[(preset, "object_store")], by[(preset, "collective")]
         mb = float(store["param_bytes"]) / 1e6
@@ -702,22 +640,10 @@ def weight_sync(results: Path) -> str:
     return _md(["preset", "weights", "object store", "collective", "ratio"], body)
 
 
-def _gpu_table(results: Path, name: str, cells) -> str:
-    rows = [r for r in _rows(results, f"gpu/{name}.csv")]
-    if not rows:
-        return f"_not measured yet: `bash scripts/gpu_check.sh {results}/gpu` on a GPU_"
-    body = [c for r in rows if (c := cells(r, rows))]
-    return _md(list(body[0]), [list(c.values()) for c in body])
-
-
-def _ok(r) -> bool:
-    return r.get("status", "").startswith("ok")
-
-
-GPU_TABLES = {  # docs/gpu.md's tables of the GPU check: results/gpu/NAME.csv, cells of one row (None: left out)
-    "correctness": lambda r, rows: {c: r.get(c, "") for c in ("check", "model", "dtype", "backend", "value",
-                                                              "tolerance", "passed", "status", "detail")},
-    "attention": lambda r, rows: None if not (_ok(r) and r.get("speedup_vs_per_response")) else {
+_ok = lambda r: r.get("status", "").startswith("ok")
+GPU_TABLES = {  # docs/gpu.md's tables of the GPU check: results/gpu/NAME.csv, its columns shown or a function
+    "correctness": "check model dtype backend value tolerance passed status detail",  # of a row, its cells (None:
+    "attention": lambda r, rows: None if not (_ok(r) and r.get("speedup_vs_per_response")) else {  # left out)
         "back-end": r["backend"], "P": r["P"], "R": r["R"], "token bound": r["token_bound"],
         "per-response s": next((q["time_s"] for q in rows if _ok(q) and (q["backend"], q["P"], q["R"], q["packing"])
                                 == (r["backend"], r["P"], r["R"], "per_response")), ""),
@@ -728,16 +654,22 @@ GPU_TABLES = {  # docs/gpu.md's tables of the GPU check: results/gpu/NAME.csv, c
         "model": r["model"], "models": r["models"], "packed tokens": r["packed_tokens"],
         "tokens/s": f"{float(r['tokens_per_s']):,.0f}", "model TFLOP/s": r["model_tflops_per_s"],
         "MFU": f"{float(r['mfu']):.1%}", "AdamW step s": r["optimizer_step_s"], "peak GiB": r["peak_memory_gib"]},
-    "engine": lambda r, rows: {c: r.get(c, "") for c in ("engine", "model", "dtype", "slots", "generated_tokens",
-                                                         "wall_s", "step_ms", "tokens_per_s", "vs_hf_generate",
-                                                         "status")},
+    "engine": "engine model dtype slots generated_tokens wall_s step_ms tokens_per_s vs_hf_generate status",
 }
+
+
+def gpu_table(results: Path, name: str) -> str:
+    if not (rows := _rows(results, f"gpu/{name}.csv")):
+        return f"_not measured yet: `bash scripts/gpu_check.sh {results}/gpu` on a GPU_"
+    cells = GPU_TABLES[name]
+    body = [c for r in rows if (c := {k: r.get(k, "") for k in cells.split()} if isinstance(cells, str)
+                                else cells(r, rows))]
+    return _md(list(body[0]), [list(c.values()) for c in body])
 
 
 def test_cost_groups(results: Path) -> str:
     """The default suite's time by what each test starts (test_costs.csv, scripts/test_costs.py)."""
-    rows = _rows(results, "test_costs.csv")
-    if not rows:
+    if not (rows := _rows(results, "test_costs.csv")):
         return "_not measured yet: `python scripts/test_costs.py`_"
     total, groups = sum(float(r["seconds"]) for r in rows), {}
     for r in rows:
@@ -748,38 +680,21 @@ def test_cost_groups(results: Path) -> str:
 
 
 def test_cost_slowest(results: Path) -> str:
-    rows = _rows(results, "test_costs.csv")[:SLOWEST]
     starts = ("ray", "engine_workers", "vllm_workers", "subprocess_cli", "subprocess_script", "subprocess_other")
     return _md(["test", "seconds", "starts"], [[f"`{r['test']}`", f"{float(r['seconds']):.1f}", ", ".join(
-        f"{k}={r[k]}" for k in starts if r[k] != "0") or "-"] for r in rows])
+        f"{k}={r[k]}" for k in starts if r[k] != "0") or "-"] for r in _rows(results, "test_costs.csv")[:SLOWEST]])
 
 
 def trl_fields(kind: str) -> str:
     """docs/trl.md's tables of the TRL fields, from trl_api.py itself (the code is the one list)."""
     from periodic_async import trl_api
 
-    def esc(text) -> str:
-        return str(text).replace("|", "\\|")
+    esc = lambda text: str(text).replace("|", "\\|")
     if kind == "ONLY_DEFAULT":
         return _md(["TRL field", "the value", "why"], [[f"`{k}`", f"`{d!r}`", esc(v)]
                                                        for k, (d, v) in sorted(trl_api.ONLY_DEFAULT.items())])
     return _md(["TRL field", "here" if kind == "DEFAULTS_DIFFER" else "why"],
                [[f"`{k}`", esc(v)] for k, v in sorted(getattr(trl_api, kind).items())])
-
-
-def _marks(decorators) -> set[str]:
-    """The pytest marks named by a function's decorators (`@pytest.mark.slow` -> 'slow')."""
-    names = set()
-    for d in decorators:
-        node = d.func if isinstance(d, ast.Call) else d
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "mark":
-            names.add(node.attr)
-    return names
-
-
-def _first_sentence(doc: str) -> str:
-    match = re.match(r"(.+?[a-z0-9)`'\]]\.)(\s+[A-Z(`]|$)", " ".join(doc.split()))  # not at "e.g. x" or "1.5"
-    return match.group(1) if match else " ".join(doc.split())
 
 
 def default_claims(tests: Path) -> str:
@@ -798,14 +713,15 @@ def default_claims(tests: Path) -> str:
             funcs += [(cls.name, n) for n in cls.body if isinstance(n, ast.FunctionDef)]
         items = []
         for cls, fn in funcs:
-            if not fn.name.startswith("test_") or _marks(fn.decorator_list) & {"slow", "gpu"}:
+            decorators = [ast.unparse(d) for d in fn.decorator_list]  # @pytest.mark.slow or @pytest.mark.gpu(...)
+            if not fn.name.startswith("test_") or any(re.match(r"[\w.]+\.mark\.(slow|gpu)\b", d) for d in decorators):
                 continue
-            doc = ast.get_docstring(fn)
-            slow = any("parametrize" in t and "marks=pytest.mark.slow" in t
-                       for t in map(ast.unparse, fn.decorator_list))
-            items.append(f"  - `{f'{cls}.{fn.name}' if cls else fn.name}`"
-                         + (f": {_first_sentence(doc)}" if doc else "")
-                         + (" (its slow cases run with `-m slow`)" if slow else ""))
+            doc = " ".join((ast.get_docstring(fn) or "").split())
+            first = re.match(r"(.+?[a-z0-9)`'\]]\.)(\s+[A-Z(`]|$)", doc)  # not at "e.g. x" or "1.5"
+            items.append(f"  - `{f'{cls}.{fn.name}' if cls else fn.name}`" + (f": {first[1] if first else doc}"
+                                                                            if doc else "")
+                         + (" (its slow cases run with `-m slow`)" if any(
+                             "parametrize" in d and "marks=pytest.mark.slow" in d for d in decorators) else ""))
         if items:
             lines += [f"- `{path.relative_to(tests.parent)}` ({len(items)})", *items]
             count += len(items)
@@ -818,8 +734,7 @@ def times_table(results: Path) -> str:
     """Each experiment's wall time in the full run (run_all_times.csv: one at a time, so the run is
     their sum, over however many sittings it was resumed in) and in the smoke run
     (run_all_times_quick.csv: two at a time, so the run is the span from first start to last end)."""
-    match = re.search(r"^EXPERIMENTS=\((.*?)\)", Path("run_all.sh").read_text(), flags=re.S | re.M)
-    if match is None:
+    if not (match := re.search(r"^EXPERIMENTS=\((.*?)\)", Path("run_all.sh").read_text(), flags=re.S | re.M)):
         raise SystemExit("run_all.sh: no EXPERIMENTS=(...) array")
     experiments = match.group(1).split()
     full = {r["experiment"]: r for r in _rows(results, "run_all_times.csv")}
@@ -831,49 +746,42 @@ def times_table(results: Path) -> str:
     body.append(["**the whole run**", f"{sum(float(r['seconds']) for r in full.values()) / 3600:.1f} h (the sum)"
                  if set(experiments) <= set(full) else "not timed end to end",
                  f"{span:.0f} s (two at a time)" if set(experiments) <= set(quick) else "not timed end to end"])
-
-    def where(name: str, rows: dict) -> str:  # the file, its commit(s) and the machine(s) it was measured on
-        cpus = sorted({r.get("cpu") or "" for r in rows.values()} - {""})
-        return (f"`{results}/{name}`, commit {', '.join(sorted({r['git_commit'][:7] for r in rows.values()})) or '-'}, "
-                f"{'; '.join(cpus) if cpus else 'CPU not recorded'}")
-    return (f"Measured ({where('run_all_times.csv', full)}; {where('run_all_times_quick.csv', quick)}).\n\n"
+    where = [f"`{results}/{name}`, commit {', '.join(sorted({r['git_commit'][:7] for r in rows.values()})) or '-'}, "
+             + _cpu(rows.values()).replace("not recorded", "CPU not recorded")  # the file, its commits and machines
+             for name, rows in (("run_all_times.csv", full), ("run_all_times_quick.csv", quick))]
+    return (f"Measured ({'; '.join(where)}).\n\n"
             + _md(["experiment", "`bash run_all.sh`", "`QUICK=1 bash run_all.sh`"], body))
 
 
 BLOCKS = {  # marker -> the block's text from the results directory
-    "vllm_speed": vllm_speed,
-    "weight_sync_collective": weight_sync,
-    **{f"gpu_{n}": (lambda results, n=n: _gpu_table(results, n, GPU_TABLES[n])) for n in GPU_TABLES},
-    "test_cost_groups": test_cost_groups,
-    "test_cost_slowest": test_cost_slowest,
-    **{f"trl_{k.lower()}": (lambda results, k=k: trl_fields(k))
-       for k in ("NO_EFFECT", "ONLY_DEFAULT", "REFUSED", "DEFAULTS_DIFFER")},
-    "default_claims": lambda results: default_claims(Path("tests")),
+    **{name: functools.partial(table_block, name=name) for name in TABLES},
+    **{f"gpu_{name}": functools.partial(gpu_table, name=name) for name in GPU_TABLES},
+    **{f"trl_{kind.lower()}": (lambda results, kind=kind: trl_fields(kind))
+       for kind in ("NO_EFFECT", "ONLY_DEFAULT", "REFUSED", "DEFAULTS_DIFFER")},
+    "vllm_speed": vllm_speed, "weight_sync_collective": weight_sync, "test_cost_groups": test_cost_groups,
+    "test_cost_slowest": test_cost_slowest, "default_claims": lambda results: default_claims(Path("tests")),
     "run_all_times": times_table,
 }
-
 BLOCK = re.compile(r"<!-- results:([\w-]+) -->(\n?).*?<!-- /results:\1 -->", flags=re.S)
 INLINE = re.compile(r"<!-- v:([\w./@-]+) -->(.*?)<!-- /v -->")
 
 
 def render(path: Path, results: Path, used: set, told: set) -> None:
     """Fill every marker of `path` from `results`; `used` collects the blocks' names, `told` the
-    problems already reported on stderr. A block whose
-    opening marker ends its line is a block of lines; one within a line of prose stays within it
-    (Markdown ends a paragraph at a line that starts with a comment)."""
+    problems already reported on stderr. A block whose opening marker ends its line is a block of
+    lines; one within a line of prose stays within it (Markdown ends a paragraph at a line that
+    starts with a comment)."""
     def block(m: re.Match) -> str:
         name, sep = m.group(1), m.group(2)
-        if name not in TABLES and name not in BLOCKS:
+        if name not in BLOCKS:
             raise SystemExit(f"{path}: <!-- results:{name} --> names no table or block of scripts/update_readme.py")
-        body = table_block(results, name) if name in TABLES else BLOCKS[name](results)
-        if not sep and "\n" in body:
+        if "\n" in (body := BLOCKS[name](results)) and not sep:
             raise SystemExit(f"{path}: <!-- results:{name} --> sits within a line, and its body has several")
         used.add(name)
         return f"<!-- results:{name} -->{sep}{body}{sep}<!-- /results:{name} -->"
 
     def inline(m: re.Match) -> str:
-        name = m.group(1)
-        if name not in VALUES:
+        if (name := m.group(1)) not in VALUES:
             raise SystemExit(f"{path}: <!-- v:{name} --> names no entry of VALUES in scripts/update_readme.py")
         try:
             text = value(results, name)
@@ -905,7 +813,7 @@ def main() -> None:
     told: set[str] = set()
     for doc in args.docs:
         render(Path(doc), Path(args.results), used, told)
-    if args.docs == DOCS and (unused := (TABLES.keys() | BLOCKS.keys()) - used):
+    if args.docs == DOCS and (unused := BLOCKS.keys() - used):
         raise SystemExit(f"tables no document shows: {sorted(unused)} (scripts/update_readme.py)")
 
 
