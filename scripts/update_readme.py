@@ -75,6 +75,10 @@ _tps = lambda rows, devices: float(next(r for r in rows if int(r["devices"]) == 
 _sizes = lambda rows: sorted({int(r["devices"]) for r in rows})
 _gain = lambda rows, lo=None: _tps(rows, _sizes(rows)[-1]) / _tps(rows, lo or _sizes(rows)[0])  # largest over lo
 _linear = lambda rows: _gain(rows) / (_sizes(rows)[-1] / _sizes(rows)[0])
+_mfu = lambda rows: [max((r for r in _status("ok")(rows) if r["model"] == "qwen2.5-1.5b"),  # the GPU trainer's best
+                         key=lambda r: float(r["mfu"]))]  # row on the 1.5B architecture
+_steady = lambda trainer: lambda rows: [  # the soak's samples of the trainer (else the workers) between a leg's
+    r for r in rows if r["fds"] and not r["event"] and (r["process"] == "trainer") == trainer]  # start and end
 
 
 def _gpu_at_shape(rows):
@@ -84,22 +88,11 @@ def _gpu_at_shape(rows):
             and r.get("speedup_vs_per_response")]
 
 
-def _mfu(rows):
-    """The GPU trainer's row of the highest MFU on the 1.5B architecture."""
-    return [max((r for r in _status("ok")(rows) if r["model"] == "qwen2.5-1.5b"), key=lambda r: float(r["mfu"]))]
-
-
 def _leaves(rows):
     """The first iteration whose off-policy training reward differs from sync-separated's."""
     sync = {r["iteration"]: r["reward_mean"] for r in rows if r["mode"] == "sync-separated"}
     return next(r["iteration"] for r in rows if r["mode"] == "async-offpolicy" and r["reward_mean"]
                 and r["reward_mean"] != sync.get(r["iteration"]))
-
-
-def _steady(trainer: bool):
-    """The soak's samples of the trainer (else of the workers) between a leg's start and end (not the
-    start, the end or the kill)."""
-    return lambda rows: [r for r in rows if r["fds"] and not r["event"] and (r["process"] == "trainer") == trainer]
 
 
 def _best(device="H100-SXM-80GB", **match):
