@@ -185,7 +185,8 @@ def test_default_claims_list_the_default_suite_and_leave_out_slow_and_gpu_tests(
     assert names["test_paired_gain_stderr"] == (": The gain's paired standard error is sd(d)/sqrt(n) over "
                                                  "per-problem differences d.")
     assert "test_async_speedup_real_model_quick" not in names  # @pytest.mark.slow
-    assert "- `tests/test_gpu.py`" not in text and "- `tests/test_grpo.py`" in text  # pytestmark = [pytest.mark.gpu, ...]
+    # tests/test_gpu.py: pytestmark = [pytest.mark.gpu, ...]
+    assert "- `tests/test_gpu.py`" not in text and "- `tests/test_grpo.py`" in text
     assert names["test_sigterm_leaves_no_processes"].endswith("(its slow cases run with `-m slow`)")
     assert "TestObjectStoreSync.test_engines_on_two_nodes_match_one_node" in names
 
@@ -194,9 +195,9 @@ def test_reward_story_reads_the_curves(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     n = 12
-    summary = [dict(mode=m, eval_accuracy_start=0.5, eval_accuracy_end=end, eval_stderr=0.02, eval_n=400, gain=end - 0.5,
-                    gain_stderr=0.03, gain_stderr_paired=0.025, max_abs_diff_reward=gr, max_abs_diff_eval=ge,
-                    tokens_identical_iterations=same, wall_s=wall)
+    summary = [dict(mode=m, eval_accuracy_start=0.5, eval_accuracy_end=end, eval_stderr=0.02, eval_n=400,
+                    gain=end - 0.5, gain_stderr=0.03, gain_stderr_paired=0.025, max_abs_diff_reward=gr,
+                    max_abs_diff_eval=ge, tokens_identical_iterations=same, wall_s=wall)
                for m, end, gr, ge, same, wall in (("sync-separated", 0.7, 0, 0, f"{n}/{n}", 600),
                                                   ("periodic-async", 0.7, 0.01, 0.005, f"5/{n}", 450),
                                                   ("async-offpolicy", 0.6, 0.2, 0.1, f"2/{n}", 400))]
@@ -293,7 +294,8 @@ def test_contention_story_reads_bare_processes_and_the_pipeline(tmp_path):
             dict(model="sft-qwen2-1m", case="trainer_waits", process="trainer", vs_alone=0.7, step_cpu_ms=44.0)]
     _csv(results / "phase_contention.csv", rows)
     _csv(results / "async_speedup_balanced_phases.csv", [
-        dict(mode="sync-separated", mean_train_thread_cpu_s=2.0), dict(mode="periodic-async", mean_train_thread_cpu_s=2.5)])
+        dict(mode="sync-separated", mean_train_thread_cpu_s=2.0),
+        dict(mode="periodic-async", mean_train_thread_cpu_s=2.5)])
     text = _prose(_render(tmp_path, results)["docs/results.md"].read_text())
     assert "sft-qwen2-1m: pinned apart, the trainer keeps 0.98 and the engine 0.90 of their speed alone" in text
     assert "CPU time per step by +10%" in text and "+25% CPU time" in text and "inside the trainer's process" in text
@@ -334,8 +336,8 @@ def _async_rows(efficiency: float, speedup: float, bound: float = 2.0) -> list[d
     """An async_speedup CSV whose periodic-async row loses most of its bound to contention
     (bound_overlapped 1.5 of a bound of 2)."""
     common = dict(bound=bound, repeats=3, speedup_min=speedup, speedup_max=speedup)
-    return [dict(mode="sync-separated", speedup_vs_sync_separated=1.0, efficiency=1 / bound, speedup_vs_sync_colocated=0.8,
-                 bound_overlapped="", **common),
+    return [dict(mode="sync-separated", speedup_vs_sync_separated=1.0, efficiency=1 / bound,
+                 speedup_vs_sync_colocated=0.8, bound_overlapped="", **common),
             dict(mode="periodic-async", speedup_vs_sync_separated=speedup, efficiency=efficiency,
                  speedup_vs_sync_colocated=speedup * 0.8, bound_overlapped=1.5, **common),
             dict(mode="sync-colocated", speedup_vs_sync_separated=1.25, efficiency=0.625, speedup_vs_sync_colocated=1.0,
@@ -367,7 +369,8 @@ def test_claims_verdicts_follow_the_csvs(tmp_path):
 
     t2 = [dict(setting=s, system="periodic-async", shared_prompt="True", speedup_vs_trl=x, speedup_vs_trl_min=x,
                speedup_vs_trl_max=x, trl_baseline="trl-grpo", speedup_vs_sync_colocated=c, repeats=3,
-               mean_prompt_tokens=p) for s, x, c, p in (("long-prompt", 9.5, 0.9, 480.5), ("short-prompt", 2.2, 1.1, 43))]
+               mean_prompt_tokens=p)
+          for s, x, c, p in (("long-prompt", 9.5, 0.9, 480.5), ("short-prompt", 2.2, 1.1, 43))]
     _csv(results / "table2_throughput.csv", t2)
     eq = [dict(case=c, iteration=i, samples=8, identical_samples=same, identical_fraction=same / 8,
                max_abs_weight_diff=d) for c, i, same, d in (("equivalent", 0, 8, 1e-15), ("equivalent", 1, 8, 1e-15),
