@@ -41,7 +41,8 @@ ASYNC_TARGET = PAPER_ASYNC / PAPER_BOUND  # the share of its bound every asynchr
 TABLE2_TARGET = 3.0  # Table 2 on GPU: up to 3x a mainstream framework
 SHARED_TARGET = 8.0  # shared-prompt attention on long prompts: about 8x
 LINEAR_TARGET = 0.9  # near-linear scaling, read as at least 0.9 of linear
-LORA_WEIGHTS, LORA_BYTES = 1.1, 0.1  # LoRA: tri-model weights / one model, push bytes / full's
+LORA_WEIGHTS, LORA_BYTES, LORA_GAIN = 1.1, 0.1, 0.2  # LoRA: tri-model weights / one model, push bytes / full's,
+# held-out gain after the full fine-tuning curve's iterations
 GPU_SECONDS, GPU_BOUND_TARGET, GPU_MFU_TARGET = 480, 0.8, 0.35  # the GPU check's goals
 GPU_SHAPE = ("4096", "16", "256")  # P, G, R of the GPU attention goal
 
@@ -190,17 +191,20 @@ def _equivalence_verdict(rows):
 
 
 def _lora_verdict(rows):
-    """LoRA's tri-model (lora_trimodel.csv) and barrier (lora_push.csv) against LORA_*."""
-    push = [r for r in rows if r["_file"] == "lora_push.csv" and r["mode"] == "lora"]
-    kept = float(next(r for r in rows if r["_file"] == "lora_trimodel.csv" and r["mode"] == "lora"
-                      and r["variant"] == "all_kept")["weights_vs_one_model"])
-    if kept > LORA_WEIGHTS:
-        return _verdict(True, f"{kept - LORA_WEIGHTS:.3f}x one model's weights", "layout")
-    if not push or any(float(r["bytes_vs_full"]) > LORA_BYTES for r in push):
-        return _verdict(True, "its push bytes", "layout")
-    slow = [r for r in push if float(r["push_check_vs_full"]) > 1]
-    return _verdict(slow, ", ".join(f"{X2(float(r['push_check_vs_full']) - 1)} of full's push + check ({r['engine']})"
-                                    for r in slow), "CPU", "the check's forward through the unmerged adapter")
+    """LoRA's tri-model (lora_trimodel.csv), barrier (lora_push.csv) and learning (lora_learning.csv)
+    against LORA_*: every goal it misses, each with its reason."""
+    of = lambda file, **match: [r for r in rows if r["_file"] == file and all(r[k] == v for k, v in match.items())]
+    kept = float(of("lora_trimodel.csv", mode="lora", variant="all_kept")[0]["weights_vs_one_model"])
+    push, final = of("lora_push.csv", mode="lora"), of("lora_learning.csv", kind="final")
+    missed = ([(f"{kept - LORA_WEIGHTS:.3f}x one model's weights", "layout")] if kept > LORA_WEIGHTS else []) \
+        + ([("its push bytes", "layout")] if not push or any(float(r["bytes_vs_full"]) > LORA_BYTES for r in push)
+           else []) \
+        + [(f"{X2(float(r['push_check_vs_full']) - 1)} of full's push + check ({r['engine']})", "CPU")
+           for r in push if float(r["push_check_vs_full"]) > 1] \
+        + ([("the learning run", "not measured")] if not final else
+           [(f"{PT(LORA_GAIN - float(final[0]['gain']))} points of held-out gain", "learning")]
+           if float(final[0]["gain"]) < LORA_GAIN else [])
+    return _verdict(missed, "; ".join(m for m, _ in missed), ", ".join(dict.fromkeys(r for _, r in missed)))
 
 
 def _48_vs_64_verdict(rows):
@@ -236,7 +240,7 @@ VALUES: dict[str, tuple] = {  # the targets (the paper's numbers) the claims' ve
     f"target.{k}": (None, None, lambda _, v=v: v, fmt) for k, v, fmt in (
         ("table2", TABLE2_TARGET, _f("g", "x")), ("async", ASYNC_TARGET, F2), ("shared", SHARED_TARGET, _f("g", "x")),
         ("linear", LINEAR_TARGET, _f("g")), ("lora_weights", LORA_WEIGHTS, _f("g", "x")),
-        ("lora_bytes", LORA_BYTES, _f("g")), ("gpu_minutes", GPU_SECONDS / 60, _f("g")),
+        ("lora_bytes", LORA_BYTES, _f("g")), ("lora_gain", LORA_GAIN, PTS), ("gpu_minutes", GPU_SECONDS / 60, _f("g")),
         ("gpu_bound", GPU_BOUND_TARGET, _f("g")), ("gpu_mfu", GPU_MFU_TARGET, _f(".0%")),
         ("gpu_shape", "P={}, G={}, R={}".format(*GPU_SHAPE), STR))}
 VALUES |= {  # Table 2: periodic-async with the shared prompt against TRL, per setting
@@ -387,12 +391,21 @@ VALUES |= {  # the tri-model, and LoRA's tri-model and barrier against full fine
             ratio_vs_policy_only=X2, preset=CODE),
     **_cols("tri.skip_old", "trimodel_cost.csv", {"variant": "tri_skip_old"}, memory_ratio=X1,
             ratio_vs_policy_only=X2),
-    "verdict.lora": (("lora_trimodel.csv", "lora_push.csv"), None, _lora_verdict),
+    "verdict.lora": (("lora_trimodel.csv", "lora_push.csv", "lora_learning.csv"), None, _lora_verdict),
     **_cols("lora.kept", "lora_trimodel.csv", {"mode": "lora", "variant": "all_kept"}, "model lora_rank rounds",
-            weights_vs_one_model=X3, micro_step_vs_full=X2),
+            weights_vs_one_model=X3, micro_step_vs_full=X2, peak_rss_vs_full=X2),
+    **_cols("lora.learn", "lora_learning.csv", {"kind": "final"}, "iterations eval_n", lr=_f("g"),
+            eval_accuracy_start=PT, eval_accuracy_end=PT, gain=PTS, gain_stderr_paired=PT),
+    "lora.learn.lrs": ("lora_learning.csv", {"kind": "sweep"}, lambda rows: [f"{float(r['lr']):g}" for r in rows]),
+    "lora.learn.sweep_iterations": ("lora_learning.csv", {"kind": "sweep"}, lambda rows: rows[0]["iterations"]),
+    "lora.full_gain": ("reward_curves_real_summary.csv", {"mode": "sync-separated"}, "gain", PTS),
+    "lora.vllm.gen_vs_full": ("lora_push.csv", {"engine": "vllm", "mode": "lora"}, "gen_vs_full", X2),
     **_cols("lora.full", "lora_trimodel.csv", {"mode": "full", "variant": "all_kept"}, weights_vs_one_model=X1),
     "lora.push_rounds": ("lora_push.csv", _first, "rounds"),
 }
+for _v in ("full", "lora"):  # the iteration: periodic-async against sync-separated, and LoRA against full
+    VALUES |= _cols(f"lora.iter.{_v}", "lora_iteration.csv", {"variant": _v, "mode": "periodic-async"}, "repeats",
+                    speedup_vs_sync_separated=X2, tokens_per_s_vs_full=X2)
 for _e in ("local", "vllm"):
     _where = {"engine": _e, "mode": "lora"}
     VALUES |= _cols(f"lora.{_e}", "lora_push.csv", _where, push_check_s=F2, push_check_vs_full=X2, bytes_vs_full=F3)
@@ -557,11 +570,19 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                "vllm_vs_builtin_max builtin_vs_hf vllm_vs_hf faster tokens repeats"),
     "lora_trimodel": ("lora_trimodel.csv", "experiments/lora.sh",
                       "mode variant policy_bytes old_bytes ref_bytes total_bytes weights_vs_one_model micro_step_s "
-                      "micro_step_s_min micro_step_s_max micro_step_vs_full packed_tokens rounds model lora_rank"),
+                      "micro_step_s_min micro_step_s_max micro_step_vs_full packed_tokens peak_rss_mib peak_rss_vs_full "
+                      "rounds model lora_rank"),
     "lora_push": ("lora_push.csv", "experiments/lora.sh",
                   "engine mode bytes bytes_vs_full tensors push_s check_s push_check_s push_check_s_min "
-                  "push_check_s_max push_check_vs_full push_check_vs_full_min push_check_vs_full_max max_gap rounds "
-                  "versions_per_round"),
+                  "push_check_s_max push_check_vs_full push_check_vs_full_min push_check_vs_full_max gen_tok_s "
+                  "gen_vs_full max_gap rounds versions_per_round"),
+    "lora_iteration": ("lora_iteration.csv", "experiments/lora.sh",
+                       "mode variant tokens_per_s tokens_per_s_min tokens_per_s_max speedup_vs_sync_separated "
+                       "tokens_per_s_vs_full tokens_per_s_vs_full_min tokens_per_s_vs_full_max mean_iteration_s "
+                       "mean_generate_s mean_train_s mean_sync_s repeats measured_iterations settings"),
+    "lora_learning": ("lora_learning.csv", "experiments/lora.sh",
+                      "kind lr iterations batch_accuracy batch_accuracy_first batch_accuracy_last chosen "
+                      "eval_accuracy_start eval_accuracy_end eval_n gain gain_stderr gain_stderr_paired wall_s"),
     "trimodel_cost": ("trimodel_cost.csv", "experiments/trimodel_cost.sh", None),
     "table2_throughput": ("table2_throughput.csv", "experiments/table2_throughput.sh",
                           "setting system shared_prompt tokens_per_s tokens_per_s_min tokens_per_s_max speedup_vs_trl "
