@@ -570,8 +570,8 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                "vllm_vs_builtin_max builtin_vs_hf vllm_vs_hf faster tokens repeats"),
     "lora_trimodel": ("lora_trimodel.csv", "experiments/lora.sh",
                       "mode variant policy_bytes old_bytes ref_bytes total_bytes weights_vs_one_model micro_step_s "
-                      "micro_step_s_min micro_step_s_max micro_step_vs_full packed_tokens peak_rss_mib peak_rss_vs_full "
-                      "rounds model lora_rank"),
+                      "micro_step_s_min micro_step_s_max micro_step_vs_full packed_tokens peak_rss_mib "
+                      "peak_rss_vs_full rounds model lora_rank"),
     "lora_push": ("lora_push.csv", "experiments/lora.sh",
                   "engine mode bytes bytes_vs_full tensors push_s check_s push_check_s push_check_s_min "
                   "push_check_s_max push_check_vs_full push_check_vs_full_min push_check_vs_full_max gen_tok_s "
