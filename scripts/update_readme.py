@@ -394,18 +394,13 @@ VALUES |= {  # the tri-model, and LoRA's tri-model and barrier against full fine
     "verdict.lora": (("lora_trimodel.csv", "lora_push.csv", "lora_learning.csv"), None, _lora_verdict),
     **_cols("lora.kept", "lora_trimodel.csv", {"mode": "lora", "variant": "all_kept"}, "model lora_rank rounds",
             weights_vs_one_model=X3, micro_step_vs_full=X2, peak_rss_vs_full=X2),
-    **_cols("lora.learn", "lora_learning.csv", {"kind": "final"}, "iterations eval_n", lr=_f("g"),
+    **_cols("lora.learn", "lora_learning.csv", {"kind": "final"}, "iterations eval_n chosen_by", lr=_f("g"),
             eval_accuracy_start=PT, eval_accuracy_end=PT, gain=PTS, gain_stderr_paired=PT),
-    "lora.learn.lrs": ("lora_learning.csv", {"kind": "sweep"}, lambda rows: [f"{float(r['lr']):g}" for r in rows]),
-    "lora.learn.sweep_iterations": ("lora_learning.csv", {"kind": "sweep"}, lambda rows: rows[0]["iterations"]),
     "lora.full_gain": ("reward_curves_real_summary.csv", {"mode": "sync-separated"}, "gain", PTS),
     "lora.vllm.gen_vs_full": ("lora_push.csv", {"engine": "vllm", "mode": "lora"}, "gen_vs_full", X2),
     **_cols("lora.full", "lora_trimodel.csv", {"mode": "full", "variant": "all_kept"}, weights_vs_one_model=X1),
     "lora.push_rounds": ("lora_push.csv", _first, "rounds"),
 }
-for _v in ("full", "lora"):  # the iteration: periodic-async against sync-separated, and LoRA against full
-    VALUES |= _cols(f"lora.iter.{_v}", "lora_iteration.csv", {"variant": _v, "mode": "periodic-async"}, "repeats",
-                    speedup_vs_sync_separated=X2, tokens_per_s_vs_full=X2)
 for _e in ("local", "vllm"):
     _where = {"engine": _e, "mode": "lora"}
     VALUES |= _cols(f"lora.{_e}", "lora_push.csv", _where, push_check_s=F2, push_check_vs_full=X2, bytes_vs_full=F3)
@@ -576,13 +571,8 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                   "engine mode bytes bytes_vs_full tensors push_s check_s push_check_s push_check_s_min "
                   "push_check_s_max push_check_vs_full push_check_vs_full_min push_check_vs_full_max gen_tok_s "
                   "gen_vs_full max_gap rounds versions_per_round"),
-    "lora_iteration": ("lora_iteration.csv", "experiments/lora.sh",
-                       "mode variant tokens_per_s tokens_per_s_min tokens_per_s_max speedup_vs_sync_separated "
-                       "tokens_per_s_vs_full tokens_per_s_vs_full_min tokens_per_s_vs_full_max mean_iteration_s "
-                       "mean_generate_s mean_train_s mean_sync_s repeats measured_iterations settings"),
     "lora_learning": ("lora_learning.csv", "experiments/lora.sh",
-                      "kind lr iterations batch_accuracy batch_accuracy_first batch_accuracy_last chosen "
-                      "eval_accuracy_start eval_accuracy_end eval_n gain gain_stderr gain_stderr_paired wall_s"),
+                      None),
     "trimodel_cost": ("trimodel_cost.csv", "experiments/trimodel_cost.sh", None),
     "table2_throughput": ("table2_throughput.csv", "experiments/table2_throughput.sh",
                           "setting system shared_prompt tokens_per_s tokens_per_s_min tokens_per_s_max speedup_vs_trl "

@@ -5,6 +5,7 @@ a result that flips one fails here, and a person rewrites the sentence."""
 
 import csv
 import itertools
+import math
 import re
 import shutil
 import subprocess
@@ -507,6 +508,11 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
                   if r["device_type"].endswith(" (measured)")}) == 1),
     ("docs/usage.md", "the restarted worker re-sent", lambda: any(r["restarted"] == "yes"
                                                                    for r in _read(R / "soak_summary.csv"))),
+    ("docs/results.md", "is ten times full fine-tuning's, the ratio", lambda: math.isclose(float(next(
+        r for r in _read(R / "lora_learning.csv") if r["kind"] == "final")["lr"]), 10 * float(
+        re.search(r"^\s+lr: (\S+)", (ROOT / "experiments/reward_curves_real.yaml").read_text(), re.M).group(1)))),
+    ("docs/results.md", "or given with `--lr`; this run", lambda: next(
+        r for r in _read(R / "lora_learning.csv") if r["kind"] == "final")["chosen_by"].startswith("given")),
     ("docs/reproduce.md", "Beside one CPU-bound process", lambda: (R / "test_costs_busy.csv").is_file()),
     ("docs/reproduce.md", "The default suite `-n", lambda: _read(R / "test_costs.csv")[0]["pytest_args"] != ""
      and "load" in _read(R / "test_costs.csv")[0]),
