@@ -397,7 +397,8 @@ VALUES |= {  # the tri-model, and LoRA's tri-model and barrier against full fine
     **_cols("lora.learn", "lora_learning.csv", {"kind": "final"}, "iterations eval_n chosen_by", lr=_f("g"),
             eval_accuracy_start=PT, eval_accuracy_end=PT, gain=PTS, gain_stderr_paired=PT),
     "lora.full_gain": ("reward_curves_real_summary.csv", {"mode": "sync-separated"}, "gain", PTS),
-    "lora.vllm.gen_vs_full": ("lora_push.csv", {"engine": "vllm", "mode": "lora"}, "gen_vs_full", X2),
+    **{f"lora.{_e}.gen_vs_full": ("lora_push.csv", {"engine": _e, "mode": "lora"}, "gen_vs_full", X2)
+       for _e in ("local", "vllm")},
     **_cols("lora.full", "lora_trimodel.csv", {"mode": "full", "variant": "all_kept"}, weights_vs_one_model=X1),
     "lora.push_rounds": ("lora_push.csv", _first, "rounds"),
 }

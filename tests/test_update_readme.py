@@ -508,6 +508,9 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
                   if r["device_type"].endswith(" (measured)")}) == 1),
     ("docs/usage.md", "the restarted worker re-sent", lambda: any(r["restarted"] == "yes"
                                                                    for r in _read(R / "soak_summary.csv"))),
+    ("docs/results.md", "make each forward slower than the plain model's", lambda: (lambda rows: float(
+        rows[("local", "lora")]["check_s"]) > float(rows[("local", "full")]["check_s"]))(
+        {(r["engine"], r["mode"]): r for r in _read(R / "lora_push.csv")})),
     ("docs/results.md", "is ten times full fine-tuning's, the ratio", lambda: math.isclose(float(next(
         r for r in _read(R / "lora_learning.csv") if r["kind"] == "final")["lr"]), 10 * float(
         re.search(r"^\s+lr: (\S+)", (ROOT / "experiments/reward_curves_real.yaml").read_text(), re.M).group(1)))),
