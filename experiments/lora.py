@@ -198,7 +198,7 @@ the whole batch in large micro-batches, periodic-async one group at a time."""
 
 def iteration_rounds(rounds: int, quick: bool, runs: Path) -> list[dict]:
     """Sync-separated and periodic-async, full fine-tuning and LoRA (merged push: vLLM's CPU build
-    samples through an adapter several times slower, gen_tok_s in lora_push.csv), interleaved
+    samples through an adapter far slower than without, gen_tok_s in lora_push.csv), interleaved
     round by round (bench.protocol.measure): tokens/s, phase times and the trainer's peak memory."""
     from periodic_async.bench.protocol import SharedEngines, System, measure
     from periodic_async.config import RunConfig, load_config
@@ -262,7 +262,7 @@ LEARNING_LRS = (3e-5, 1e-4, 3e-4)
 LEARNING = ["model.lora.enabled=true", "model.lora.push=merged", f"model.lora.rank={LORA['rank']}",
             f"model.lora.alpha={LORA['alpha']}"]
 """LoRA on the full fine-tuning curve's workload; the merged push, because vLLM's CPU build samples
-several times slower through an adapter (gen_tok_s in lora_push.csv) and the samples are the same."""
+far slower through an adapter than without (gen_tok_s in lora_push.csv); the samples are the same."""
 
 
 def learning(args) -> list[dict]:

@@ -163,7 +163,7 @@ class ModelConfig:
     dtype: DType = "float32"
     """'float32', 'bfloat16', 'float16' or 'float64' (exactness tests). The engines run in it;
     with bfloat16/float16 the trainer keeps float32 master weights and runs its forwards under
-    autocast (mixed precision). bf16 is ~37x slower on AVX2 CPUs."""
+    autocast (mixed precision). On a CPU without bf16 arithmetic bf16 runs far slower than float32."""
     seed: int = 0
     """Seed of the random initialisation of presets."""
     attn_implementation: AttnImplementation = "sdpa"
