@@ -102,7 +102,8 @@ def combined_rows(shared: dict, per_response: dict) -> list[dict]:
                          "speedup": round(tps(r) / tps(base), 3), "speedup_min": round(paired.min, 3),
                          "speedup_max": round(paired.max, 3),
                          **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s")},
-                         "bound": round(bound, 3), "efficiency": round(own / bound, 3) if mode != "sync-separated" else "",
+                         "bound": round(bound, 3),
+                         "efficiency": round(own / bound, 3) if mode != "sync-separated" else "",
                          "measured_iterations": r.measured_iterations, **r.provenance()})
     product = (tps(shared["sync-separated"]) / tps(base)) * (tps(per_response["periodic-async"]) / tps(base))
     rows.append({"mode": "product", "speedup": round(product, 3)})
@@ -174,8 +175,8 @@ def main(argv=None) -> list[dict]:
                      "devices": r.runs[0]["devices"], "measured_iterations": r.measured_iterations, **r.provenance()})
     columns = ["mode", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "speedup_vs_sync_separated",
                "speedup_min", "speedup_max", "bound", "efficiency", "efficiency_min", "efficiency_max",
-               "bound_overlapped", "speedup_vs_sync_colocated", "repeats", "measured_iterations", "devices", "git_commit",
-               "config_hash", "settings"]
+               "bound_overlapped", "speedup_vs_sync_colocated", "repeats", "measured_iterations", "devices",
+               "git_commit", "config_hash", "settings"]
     out = Path(args.results)
     write_csv(out / f"{name}.csv", rows, columns)
     phases = [{"mode": m, **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s",

@@ -245,7 +245,8 @@ def main() -> None:
     rows, pushes, sync_rows = [], [], []
     # QUICK: the tiny preset on 2 workers only, its vLLM push and weight sync measured on the same
     # engines (the full run's 1-worker and real-model passes run the same code on other sizes)
-    runs = [(tiny, hf_directory(tiny, tok_dir, Path(args.runs)), w, tiny_workload) for w in ((2,) if args.quick else (1, 2))]
+    runs = [(tiny, hf_directory(tiny, tok_dir, Path(args.runs)), w, tiny_workload)
+            for w in ((2,) if args.quick else (1, 2))]
     if not args.no_real_model and not args.quick:
         if not (Path(REAL_MODEL) / "config.json").is_file():
             raise SystemExit(f"{REAL_MODEL} is missing: python -m periodic_async prepare-model smollm2-135m")
@@ -253,9 +254,10 @@ def main() -> None:
     pushed = set()
     for label, path, workers, workload in runs:
         model_cfg = ModelConfig(name_or_path=path, device="cpu")
+        # each model's push: on its first pass
         r, push, sync = compare(model_cfg, label, workers, workload, repeats,
                                 max_num_seqs=32 if workload is tiny_workload else 16, kv_gib=1.0,
-                                measure_push=label not in pushed, measure_sync=args.quick)  # each model's push: on its first pass
+                                measure_push=label not in pushed, measure_sync=args.quick)
         pushed.add(label)
         rows += r
         if push:

@@ -116,7 +116,8 @@ def main(argv=None) -> list[dict]:
     model = load_config(RunConfig, HERE / "equivalence.yaml", extra).model.name_or_path
     tiny = any(not c.startswith("real") for c in cases)
     if tiny and model not in PRESETS and not Path(model).is_dir():
-        raise SystemExit(f"{model} not found: run `bash experiments/warm_start.sh` first (or pass model.name_or_path=...)")
+        raise SystemExit(f"{model} not found: run `bash experiments/warm_start.sh` first "
+                         "(or pass model.name_or_path=...)")
     if tiny and Path(model).is_dir():  # one frozen copy: every run (and resume) starts from the same weights
         frozen = Path(args.runs) / "base_model"
         shutil.rmtree(frozen, ignore_errors=True)

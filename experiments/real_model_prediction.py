@@ -68,7 +68,8 @@ def main(argv=None) -> list[dict]:
                          "iteration_s": _median(s.iteration_s for s in sims),
                          "generate_s": _median(s.generate_s for s in sims),
                          "train_busy_s": _median(s.train_busy_s for s in sims),
-                         "tokens_per_s": round(sum(s.trained_tokens for s in sims) / sum(s.iteration_s for s in sims), 2),
+                         "tokens_per_s": round(sum(s.trained_tokens for s in sims)
+                                               / sum(s.iteration_s for s in sims), 2),
                          "rel_error": ""})
     for row in rows:
         same = [r for r in rows if r["kind"] == row["kind"]]

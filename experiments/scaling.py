@@ -6,9 +6,10 @@ predictions (labelled simulated) for 16-64 accelerators.
 
 1. Measured (experiments/scaling.yaml, the bench protocol: systems interleaved round by round,
    median with min and max, first iteration of every run excluded, commit + config hash per
-   row): sync-separated and periodic-async with 1 and 2 engine workers (engine.num_workers). On a 2-core CPU periodic-async with 2 engine
-   workers runs 3 busy workers on 2 cores: it measures oversubscription, not scale-out, and
-   the simulator models it as such (processor sharing). With --trainer-ranks also sync-separated
+   row): sync-separated and periodic-async with 1 and 2 engine workers (engine.num_workers).
+   On a 2-core CPU periodic-async with 2 engine workers runs 3 busy workers on 2 cores: it
+   measures oversubscription, not scale-out, and the simulator models it as such (processor
+   sharing). With --trainer-ranks also sync-separated
    with 1 and 2 torchrun trainer ranks (periodic_async.parallel.distributed; each run a subprocess with
    its own engine; speedup_vs_1 compares r2 with r1).
 2. The simulator (periodic_async.scale.simulate) is calibrated on every measured run
@@ -100,7 +101,8 @@ def measure_cpu(args, extra: list[str]) -> tuple[list[dict], dict[str, list[Meas
     systems = []
     for name, over in SYSTEMS.items():
         out = f"{args.runs}/{name.replace('/', '-')}"
-        cfg = load_config(RunConfig, HERE / "scaling.yaml", args.overrides + extra + over + [f"trainer.output_dir={out}"])
+        cfg = load_config(RunConfig, HERE / "scaling.yaml",
+                          args.overrides + extra + over + [f"trainer.output_dir={out}"])
 
         def once(cfg=cfg, name=name, out=out) -> dict:
             summary = run(cfg, engine=engines.get(cfg))
@@ -112,7 +114,8 @@ def measure_cpu(args, extra: list[str]) -> tuple[list[dict], dict[str, list[Meas
         name = f"sync-separated/r{ranks}"
         over = args.overrides + extra + ["pipeline.mode=sync-separated", f"trainer.output_dir={args.runs}/r{ranks}"]
         measured[name] = []
-        systems.append(torchrun_system(name, ranks, over, measured, load_config(RunConfig, HERE / "scaling.yaml", over)))
+        systems.append(torchrun_system(name, ranks, over, measured,
+                                       load_config(RunConfig, HERE / "scaling.yaml", over)))
     try:
         res = measure(systems, repeats=args.repeats, ignore_settings=("trainer.output_dir",))
     finally:
@@ -124,9 +127,11 @@ def measure_cpu(args, extra: list[str]) -> tuple[list[dict], dict[str, list[Meas
         one = res.get(name.split("/")[0] + ("/r1" if "/r" in name else "/e1"))
         ratio = r.ratio(one) if one is not None and one is not r else None
         rows.append({"system": name, "mode": cfg["pipeline"]["mode"], "engine_workers": cfg["engine"]["num_workers"],
-                     "trainer_ranks": ranks, "trainer_threads": cfg["trainer"]["threads"], "devices": r.runs[0]["devices"],
-                     **r.row(["tokens_per_s"], 1), **{k: v for k, v in r.row(["iteration_s"], 3).items() if k != "repeats"},
-                     "generate_s": round(r.stats("generate_s").median, 3), "train_s": round(r.stats("train_s").median, 3),
+                     "trainer_ranks": ranks, "trainer_threads": cfg["trainer"]["threads"],
+                     "devices": r.runs[0]["devices"], **r.row(["tokens_per_s"], 1),
+                     **{k: v for k, v in r.row(["iteration_s"], 3).items() if k != "repeats"},
+                     "generate_s": round(r.stats("generate_s").median, 3),
+                     "train_s": round(r.stats("train_s").median, 3),
                      "sync_s": round(r.stats("sync_s").median, 4),
                      "speedup_vs_1": round(ratio.median, 3) if ratio else "",
                      "speedup_vs_1_min": round(ratio.min, 3) if ratio else "",
@@ -164,7 +169,8 @@ def simulate_measured_points(measured: dict[str, list[MeasuredRun]], measured_ro
                      "inference_devices": measured[name][0].deployment.inference_devices,
                      "train_devices": measured[name][0].deployment.train_devices,
                      "tokens_per_s": round(sum(s.trained_tokens for s in sims) / sum(s.iteration_s for s in sims), 1),
-                     "iteration_s": round(it_s, 3), "generate_s": round(statistics.median(s.generate_s for s in sims), 3),
+                     "iteration_s": round(it_s, 3),
+                     "generate_s": round(statistics.median(s.generate_s for s in sims), 3),
                      "train_busy_s": round(statistics.median(s.train_busy_s for s in sims), 3),
                      "after_generation_s": round(statistics.median(s.after_generation_s for s in sims), 3),
                      "best": "", "measured_iteration_s": meas, "rel_error": round(it_s / meas - 1, 3),

@@ -58,7 +58,8 @@ def main(argv=None) -> None:
         extra.append("model.name_or_path=qwen2-1m")
     if args.quick:
         # G = 8 and short responses: the shared prompt is most of each sequence, so packing pays visibly
-        extra += ["trainer.iterations=2", "algorithm.prompts_per_iteration=4", "engine.max_tokens=24", "data.num_train=1000"]
+        extra += ["trainer.iterations=2", "algorithm.prompts_per_iteration=4", "engine.max_tokens=24",
+                  "data.num_train=1000"]
     extra += args.overrides
     init_ray(base.engine)
     engines = SharedEngines()

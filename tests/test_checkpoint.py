@@ -122,7 +122,8 @@ def test_resume_matches_uninterrupted(stop, engine, full, tokenizer_dir, tmp_pat
     ckpt = checkpoint.latest(tmp_path)
     assert ckpt.name == "checkpoint-2"
     assert json.loads((ckpt / "checkpoint.json").read_text())["iteration"] == 2
-    assert max_abs_diff(checkpoint_weights(ckpt), checkpoint_weights(Path(full.trainer.output_dir) / "checkpoint-2")) <= 1e-10
+    assert max_abs_diff(checkpoint_weights(ckpt),
+                        checkpoint_weights(Path(full.trainer.output_dir) / "checkpoint-2")) <= 1e-10
 
     resumed = _cfg(tmp_path, tokenizer_dir, **EVAL, **{"trainer.resume": "auto"})
     run(resumed, engine=engine)
@@ -134,8 +135,10 @@ def test_resume_matches_uninterrupted(stop, engine, full, tokenizer_dir, tmp_pat
     final = Path(resumed.trainer.output_dir) / checkpoint.LATEST
     assert final.resolve().name == "checkpoint-3"
     w0 = load_policy(full.model)[0].state_dict()
-    assert max_abs_diff(checkpoint_weights(final), {k: w0[k] for k in checkpoint_weights(final)}) > 1e-3, "training must move the weights"
-    assert max_abs_diff(checkpoint_weights(final), checkpoint_weights(Path(full.trainer.output_dir) / "checkpoint-3")) <= 1e-10
+    assert max_abs_diff(checkpoint_weights(final),
+                        {k: w0[k] for k in checkpoint_weights(final)}) > 1e-3, "training must move the weights"
+    assert max_abs_diff(checkpoint_weights(final),
+                        checkpoint_weights(Path(full.trainer.output_dir) / "checkpoint-3")) <= 1e-10
 
 
 def test_checkpoint_loads_without_pickle(full):
@@ -162,7 +165,8 @@ def test_checkpoint_loads_without_pickle(full):
     policy, _ = load_policy(full.model)
     consumer = Consumer(policy, full)
     assert checkpoint.load(ckpt, policy, consumer, full) == 3 and consumer.version == 3
-    assert max_abs_diff({k: v for k, v in policy.state_dict().items() if k in checkpoint_weights(ckpt)}, checkpoint_weights(ckpt)) == 0
+    assert max_abs_diff({k: v for k, v in policy.state_dict().items() if k in checkpoint_weights(ckpt)},
+                        checkpoint_weights(ckpt)) == 0
 
 
 def test_resume_keeps_the_original_reference(full):
@@ -255,7 +259,8 @@ def test_resume_ignores_partial_checkpoint(engine, full, tokenizer_dir, tmp_path
     resumed = _cfg(tmp_path, tokenizer_dir, **{"trainer.resume": "auto"})
     run(resumed, engine=engine)
     assert {k[0] for k in _by_prompt(resumed)} == {2}
-    assert max_abs_diff(checkpoint_weights(tmp_path / "checkpoint-3"), checkpoint_weights(src / "checkpoint-3")) <= 1e-10
+    assert max_abs_diff(checkpoint_weights(tmp_path / "checkpoint-3"),
+                        checkpoint_weights(src / "checkpoint-3")) <= 1e-10
     assert list(checkpoint.complete_checkpoints(tmp_path)) == [2, 3]
     assert not (tmp_path / "checkpoint-4.tmp").exists()
 

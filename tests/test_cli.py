@@ -25,7 +25,8 @@ def test_bad_data_path_is_one_line_and_debug_shows_the_traceback(tmp_path, token
                            text=True, timeout=600)
     lines = [ln for ln in plain.stderr.splitlines() if ln.strip()]
     assert plain.returncode == 1 and plain.stdout == ""
-    assert lines == [f"train: error: data.source {str(missing)!r} does not exist (--debug for the traceback)"], plain.stderr
+    assert lines == [f"train: error: data.source {str(missing)!r} does not exist (--debug for the traceback)"], \
+        plain.stderr
     for extra, debug_env in ((["--debug"], None), ([], "1")):
         with pytest.raises(FileNotFoundError, match="missing.jsonl"):
             _cli(args + extra, tmp_path, capsys, monkeypatch, debug_env=debug_env)
@@ -110,7 +111,8 @@ def test_missing_model_path_names_the_field(tmp_path, tokenizer_dir, capsys, mon
 
 
 def test_a_group_of_one_is_refused_before_training(tmp_path, capsys, monkeypatch):
-    p = _cli(["train", "algorithm.group_size=1", f"trainer.output_dir={tmp_path / 'run'}"], tmp_path, capsys, monkeypatch)
+    p = _cli(["train", "algorithm.group_size=1", f"trainer.output_dir={tmp_path / 'run'}"],
+             tmp_path, capsys, monkeypatch)
     line = _one_line(p)
     assert p.returncode == 2 and "algorithm.group_size=1" in line and "every advantage is 0" in line, line
     assert not (tmp_path / "run").exists()  # refused while reading the config: nothing was started

@@ -85,7 +85,8 @@ def test_collective_sync_on_cuda(tokenizer_dir):
 
     policy, _ = load_policy(cfg.model)
     pushed = {k: v.detach().clone() + 0.01 for k, v in policy.state_dict().items()}
-    store = load_config(RunConfig, None, [f"{k}={v}" for k, v in {**overrides, "engine.weight_sync": "object_store"}.items()])
+    store = load_config(RunConfig, None,
+                        [f"{k}={v}" for k, v in {**overrides, "engine.weight_sync": "object_store"}.items()])
     with make_engine(store.engine, store.model) as by_store, make_engine(cfg.engine, cfg.model) as by_nccl:
         by_store.update_weights(pushed, 1)
         by_nccl.update_weights(pushed, 1)

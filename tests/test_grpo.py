@@ -264,7 +264,8 @@ def whole_batch_gradient(tri: TriModel, groups, cfg) -> tuple[dict[str, torch.Te
         loss = torch.stack([loss_N[packed.sample_N == s].mean() for s in range(packed.num_samples)]).mean()
     else:
         # B * G * max_tokens per optimizer step; setup_iteration uses 2 steps per iteration
-        loss = loss_N.sum() / (cfg.prompts_per_iteration / cfg.optimizer_steps_per_iteration * cfg.group_size * MAX_TOKENS)
+        loss = loss_N.sum() / (cfg.prompts_per_iteration / cfg.optimizer_steps_per_iteration
+                               * cfg.group_size * MAX_TOKENS)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad(set_to_none=True)

@@ -27,7 +27,8 @@ def test_grpo_raises_reward(mode, tokenizer_dir, tmp_path):
     The in-process engine keeps the test fast; the separated modes accept it."""
     overrides = {
         "model.name_or_path": "qwen2-1m", "model.tokenizer": str(tokenizer_dir), "model.device": "cpu",
-        "model.seed": 0, "data.num_train": 64, "data.num_eval": 0, "reward.functions": f"{HERE}:digit_reward", "reward.timeout_s": 0,
+        "model.seed": 0, "data.num_train": 64, "data.num_eval": 0, "reward.functions": f"{HERE}:digit_reward",
+        "reward.timeout_s": 0,
         "engine.backend": "local", "engine.max_num_seqs": 64, "engine.max_tokens": 12,
         "algorithm.group_size": 8, "algorithm.prompts_per_iteration": 8, "algorithm.lr": 2e-2,
         "trainer.iterations": 5, "trainer.output_dir": str(tmp_path / mode), "trainer.eval_at_end": False,

@@ -137,7 +137,8 @@ def test_command_line_reports_the_complete_directory(converted):
     import subprocess
 
     mtime = (converted / "model.safetensors").stat().st_mtime_ns
-    r = subprocess.run([sys.executable, "-m", "periodic_async", "prepare-model", "smollm2-135m", "--out", str(converted)],
+    r = subprocess.run([sys.executable, "-m", "periodic_async", "prepare-model", "smollm2-135m",
+                        "--out", str(converted)],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == (f"{converted}: LlamaForCausalLM, 134.5M parameters, float32 (already complete); "

@@ -34,7 +34,8 @@ def make_groups(vocab: int) -> list[Group]:
 @pytest.fixture(scope="module")
 def micro_batches(tokenizer):
     """The three groups cut into micro-batches of at most 24 packed tokens, as fp64 inputs."""
-    return [mb.build(shared=True, dtype=torch.float64) for mb in split_groups(make_groups(len(tokenizer)), max_tokens=24)]
+    return [mb.build(shared=True, dtype=torch.float64)
+            for mb in split_groups(make_groups(len(tokenizer)), max_tokens=24)]
 
 
 def policy_model(tokenizer, preset: str = "qwen2-1m"):

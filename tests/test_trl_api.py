@@ -47,8 +47,9 @@ def _dataset(conversational: bool, n: int = 8):
 def test_config_maps_trl_fields_to_the_run():
     args = GRPOConfig(output_dir="o", learning_rate=3e-6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                       num_generations=4, max_completion_length=32, max_steps=6, steps_per_generation=4, beta=0.04,
-                      epsilon=0.1, epsilon_high=0.28, loss_type="dr_grpo", scale_rewards=False, lr_scheduler_type="cosine",
-                      warmup_ratio=0.5, temperature=0.7, top_p=0.9, seed=7, report_to="none", save_steps=2)
+                      epsilon=0.1, epsilon_high=0.28, loss_type="dr_grpo", scale_rewards=False,
+                      lr_scheduler_type="cosine", warmup_ratio=0.5, temperature=0.7, top_p=0.9, seed=7,
+                      report_to="none", save_steps=2)
     cfg = args.run_config(num_prompts=100, model="m")
     a = cfg.algorithm
     # generation batch = 4 x 1 process x 4 steps = 16 completions = 4 prompts x 4; 2 optimizer steps per batch
@@ -271,7 +272,8 @@ def test_bad_dataset_and_reward_are_one_line(tmp_path, model_dir):
                     train_dataset=Dataset.from_list([{"prompt": "a"}, {"question": "b"}]))
     with pytest.raises(ConfigError, match="accuracy"):  # held-out evaluation needs an accuracy
         GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path, eval_strategy="steps"),
-                    train_dataset=Dataset.from_list([{"prompt": "a"}]), eval_dataset=Dataset.from_list([{"prompt": "b"}]))
+                    train_dataset=Dataset.from_list([{"prompt": "a"}]),
+                    eval_dataset=Dataset.from_list([{"prompt": "b"}]))
     with pytest.raises(DataError, match="max_prompt_length=3"):  # checked at start-up, never cut
         GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path, max_prompt_length=3),
                     train_dataset=_dataset(False)).train()
@@ -290,12 +292,13 @@ def test_peft_config_sets_model_lora(tmp_path, model_dir):
     from periodic_async.config import LoRAConfig
 
     def lora_of(**kw):
-        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path), train_dataset=_dataset(False),
-                              peft_config=peft.LoraConfig(**kw) if kw else None)
+        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=len, args=_args(tmp_path),
+                              train_dataset=_dataset(False), peft_config=peft.LoraConfig(**kw) if kw else None)
         return trainer.run_config().model.lora
 
     assert lora_of() == LoRAConfig() and not lora_of().enabled
-    assert lora_of(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["v_proj", "q_proj"], task_type="CAUSAL_LM") == \
+    assert lora_of(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["v_proj", "q_proj"],
+                   task_type="CAUSAL_LM") == \
         LoRAConfig(enabled=True, rank=4, alpha=8.0, dropout=0.05, target_modules=["q_proj", "v_proj"])
     assert lora_of(r=16, lora_alpha=32, target_modules="all-linear").target_modules == ["all-linear"]
     assert lora_of(r=16, lora_alpha=32).target_modules == ["q_proj", "v_proj"]
@@ -305,7 +308,8 @@ def test_peft_config_sets_model_lora(tmp_path, model_dir):
 @pytest.mark.parametrize("make, names", [
     (lambda peft: {"r": 8}, "peft_config=<dict>"),
     (lambda peft: peft.LoHaConfig(target_modules=["q_proj"]), "peft_config=<LoHaConfig>"),
-    (lambda peft: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), "peft_config=<PromptTuningConfig>"),
+    (lambda peft: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+     "peft_config=<PromptTuningConfig>"),
     (lambda peft: peft.LoraConfig(bias="all"), "peft_config=LoraConfig(bias='all')"),
     (lambda peft: peft.LoraConfig(use_dora=True), "peft_config=LoraConfig(use_dora=True)"),
     (lambda peft: peft.LoraConfig(use_rslora=True), "peft_config=LoraConfig(use_rslora=True)"),
@@ -332,7 +336,8 @@ def test_peft_model_as_model_is_one_line(tmp_path, model_dir):
     peft = pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM
 
-    wrapped = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), peft.LoraConfig(target_modules=["q_proj"]))
+    wrapped = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                                  peft.LoraConfig(target_modules=["q_proj"]))
     with pytest.raises(ConfigError, match=r"GRPOTrainer\(model=<PeftModel>\): pass the base model"):
         GRPOTrainer(model=wrapped, reward_funcs=len, args=_args(tmp_path), train_dataset=_dataset(False))
 
@@ -348,7 +353,8 @@ def test_trl_script_with_peft_config_saves_the_adapter(tmp_path, model_dir):
 
     from periodic_async.shared_prompt import pack, token_logprobs
 
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=lambda completions, **kw: [len(c) / 10 for c in completions],
+    trainer = GRPOTrainer(model=str(model_dir),
+                          reward_funcs=lambda completions, **kw: [len(c) / 10 for c in completions],
                           args=_args(tmp_path / "run"), train_dataset=_dataset(False),
                           peft_config=peft.LoraConfig(r=4, lora_alpha=16, target_modules="all-linear",
                                                       task_type="CAUSAL_LM"))

@@ -124,7 +124,8 @@ def test_vllm_tied_embedding_half_update_is_detected(inproc, model_dir):
     named = dict(model.named_parameters())
     assert "lm_head.weight" not in named and "model.embed_tokens.weight" in named
     inproc.update_weights({k: v.detach() for k, v in named.items()}, 2)
-    with pytest.raises(EngineError, match=r"worker 0 failed .*version 2 did not take: .*differ from the trainer's by") as err:
+    with pytest.raises(EngineError,
+                       match=r"worker 0 failed .*version 2 did not take: .*differ from the trainer's by") as err:
         check.after_push(inproc, 2, 0.0)
     assert err.value.worker == 0
     inproc.update_weights(model.state_dict(), 3)
@@ -342,7 +343,8 @@ def test_vllm_start_failures_are_named(inproc, model_cfg, tmp_path, tokenizer, m
     GPTNeoForCausalLM(GPTNeoConfig(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, num_heads=2,
                                    attention_types=[[["global"], 2]], max_position_embeddings=256)).save_pretrained(neo)
     tokenizer.save_pretrained(neo)
-    with pytest.raises(EngineError, match=r"worker 0 failed .*did not start: .*GPTNeoForCausalLM.*not supported") as err:
+    with pytest.raises(EngineError,
+                       match=r"worker 0 failed .*did not start: .*GPTNeoForCausalLM.*not supported") as err:
         make_engine(EngineConfig(backend="vllm"), dataclasses.replace(model_cfg, name_or_path=str(neo)))
     assert "\n" not in str(err.value) and len(str(err.value)) < 600
     with monkeypatch.context() as m:

@@ -95,7 +95,8 @@ class Producer:
         self.shots, self.reward_fn, self.cfg = list(shots), reward_fn, cfg
         self.tracer = tracer or Tracer(enabled=False)
         self.queue_depth_max = 0
-        self.queue: queue.Queue = queue.Queue(maxsize=cfg.pipeline.queue_size or cfg.algorithm.prompts_per_iteration + 1)
+        self.queue: queue.Queue = queue.Queue(
+            maxsize=cfg.pipeline.queue_size or cfg.algorithm.prompts_per_iteration + 1)
         self._thread: threading.Thread | None = None
         self._prompt_ids: dict[int, list[int]] = {}
         self._stop = threading.Event()

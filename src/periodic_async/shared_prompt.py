@@ -1,4 +1,5 @@
-"""Shared-prompt packing and attention (the paper's shared-prompt attention): one row [prompt | r_1 | ... | r_G] per group.
+"""Shared-prompt packing and attention (the paper's shared-prompt attention): one row
+[prompt | r_1 | ... | r_G] per group.
 
 Shape letters: T packed tokens, N response (label) tokens, S responses, H heads, d head size,
 D hidden size, V vocabulary.

@@ -76,7 +76,8 @@ NO_EFFECT: dict[str, str] = {
     "dataloader_prefetch_factor": "no dataloader",
     "remove_unused_columns": "every column reaches the reward functions",
     "vllm_mode": "the engines are separate workers (or in-process for sync-colocated); `mode` says which",
-    "vllm_gpu_memory_utilization": "the KV cache is engine.vllm_kv_cache_gib (overrides=['engine.vllm_kv_cache_gib=...'])",
+    "vllm_gpu_memory_utilization": "the KV cache is engine.vllm_kv_cache_gib "
+                                   "(overrides=['engine.vllm_kv_cache_gib=...'])",
     "vllm_enable_sleep_mode": "separated engines keep their memory",
     "vllm_tensor_parallel_size": "one engine per worker; scale out with num_engine_workers",
     "vllm_max_model_length": "the model's own context",
@@ -409,8 +410,9 @@ class GRPOConfig:
         except ConfigError as e:
             raise ConfigError(f"GRPOConfig(vllm_importance_sampling_*): {e}") from None
         if self.scale_rewards not in ("group", "none"):
-            raise ConfigError(f"GRPOConfig(scale_rewards={self.scale_rewards!r}): not supported here (groups are scored "
-                              "as they finish, before the batch's std exists); expected 'group' or 'none'")
+            raise ConfigError(f"GRPOConfig(scale_rewards={self.scale_rewards!r}): not supported here "
+                              "(groups are scored as they finish, before the batch's std exists); "
+                              "expected 'group' or 'none'")
         if self.lr_scheduler_type not in SCHEDULERS:
             raise ConfigError(f"GRPOConfig(lr_scheduler_type={self.lr_scheduler_type!r}): not supported here; expected "
                               f"one of {', '.join(SCHEDULERS)}")
@@ -512,7 +514,8 @@ class GRPOConfig:
             "engine.top_p": self.top_p, "engine.top_k": self.top_k, "engine.num_workers": self.num_engine_workers,
             "engine.threads_per_worker": self.engine_threads,
             "engine.worker_backend": "vllm" if self.use_vllm else "auto",
-            "algorithm.group_size": self.num_generations, "algorithm.prompts_per_iteration": self.prompts_per_generation(),
+            "algorithm.group_size": self.num_generations,
+            "algorithm.prompts_per_iteration": self.prompts_per_generation(),
             "algorithm.lr": self.learning_rate, "algorithm.weight_decay": self.weight_decay,
             "algorithm.adam_betas": [self.adam_beta1, self.adam_beta2], "algorithm.adam_eps": self.adam_epsilon,
             "algorithm.lr_scheduler": SCHEDULERS[self.lr_scheduler_type], "algorithm.warmup_steps": warmup,
@@ -603,7 +606,8 @@ def _rows(dataset, what: str) -> list[dict]:
     if isinstance(dataset, (list, tuple)):
         return [dict(r) for r in dataset]
     raise DataError(f"GRPOTrainer({what}=...): expected a datasets.Dataset or a list of dicts, got "
-                    f"{type(dataset).__name__} (an IterableDataset is not supported: the prompts are reshuffled per epoch)")
+                    f"{type(dataset).__name__} (an IterableDataset is not supported: "
+                    "the prompts are reshuffled per epoch)")
 
 
 def _is_messages(prompt: Any) -> bool:
@@ -780,8 +784,8 @@ class GRPOTrainer:
                                   "processing_class=None")
             return path
         if not hasattr(model, "save_pretrained"):
-            raise ConfigError(f"GRPOTrainer(model=...): expected a model directory, a preset name or a PreTrainedModel, "
-                              f"got {type(model).__name__}")
+            raise ConfigError("GRPOTrainer(model=...): expected a model directory, a preset name or a "
+                              f"PreTrainedModel, got {type(model).__name__}")
         out = self.output_dir / "initial_model"
         tokenizer = processing_class
         if tokenizer is None:

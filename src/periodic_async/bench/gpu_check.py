@@ -456,15 +456,16 @@ def check_push_gap(table: Table, sizes: Sizes, tokenizer, device: torch.device, 
                         for p in policy.parameters():
                             p.add_(lr * torch.sign(torch.randn(p.shape, generator=g, device=device)))
                     moved = {k: v.detach().to(torch.bfloat16) for k, v in policy.state_dict().items()}
-                    changed = sum(int((moved[k] != state[k]).sum()) for k in state) / sum(v.numel() for v in state.values())
+                    changed = (sum(int((moved[k] != state[k]).sum()) for k in state)
+                               / sum(v.numel() for v in state.values()))
                     signal32 = float(abs(model_logprobs(policy, probe) - before32).max())
                     copy.load_state_dict(moved)
                     signal16 = float(abs(model_logprobs(copy, probe) - refs["pushed bf16 weights"]).max())
                     copy.load_state_dict(state)
-                    table.add(check="missed_push_signal", model=arch, dtype="float32 / bf16 weights", reference=f"lr {lr:g}",
-                              value=f"{signal32:.3g}", status="ok (measured)",
-                              detail=f"final norm x{scale:g}: probe change in fp32 {signal32:.3g}, on bf16-rounded weights "
-                                     f"{signal16:.3g}; bf16 weights changed {changed:.3%}")
+                    table.add(check="missed_push_signal", model=arch, dtype="float32 / bf16 weights",
+                              reference=f"lr {lr:g}", value=f"{signal32:.3g}", status="ok (measured)",
+                              detail=f"final norm x{scale:g}: probe change in fp32 {signal32:.3g}, "
+                                     f"on bf16-rounded weights {signal16:.3g}; bf16 weights changed {changed:.3%}")
                     with torch.no_grad():
                         for k, v in policy.state_dict().items():
                             v.copy_(saved[k])

@@ -282,13 +282,15 @@ def plot_scaling(measured_csv: str | Path, simulated_csv: str | Path, out_path: 
     points = {r["system"]: r for r in sim if r["section"] == "cpu-measured-point"}
     x = list(range(len(meas)))
     m = [float(r["iteration_s"]) for r in meas]
-    err = [[v - float(r["iteration_s_min"]) for v, r in zip(m, meas)], [float(r["iteration_s_max"]) - v for v, r in zip(m, meas)]]
+    err = [[v - float(r["iteration_s_min"]) for v, r in zip(m, meas)],
+           [float(r["iteration_s_max"]) - v for v, r in zip(m, meas)]]
     ax.bar([i - 0.2 for i in x], m, 0.4, yerr=err, capsize=3, color="#55A868", label="measured (median, min-max)")
     s = [float(points[r["system"]]["iteration_s"]) if r["system"] in points else 0.0 for r in meas]
     ax.bar([i + 0.2 for i in x], s, 0.4, color="#DDDDDD", edgecolor="black", hatch="//", label="simulated (calibrated)")
     for i, r in enumerate(meas):
         if r["system"] in points:
-            ax.text(i + 0.2, s[i], f"{float(points[r['system']]['rel_error']):+.0%}", ha="center", va="bottom", fontsize=7)
+            ax.text(i + 0.2, s[i], f"{float(points[r['system']]['rel_error']):+.0%}",
+                    ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, [r["system"] for r in meas], rotation=20, fontsize=7)
     ax.set(ylabel="seconds per iteration")
     ax.set_title(f"CPU ({meas[0]['cpu_cores']} cores): measured vs simulated", fontsize=9, loc="left")
@@ -319,7 +321,8 @@ def plot_scaling(measured_csv: str | Path, simulated_csv: str | Path, out_path: 
             sweep = sorted((int(r["inference_devices"]) / total, float(r["tokens_per_s"])) for r in pred
                            if r["device_type"] == dev and r["mode"] == mode and int(r["devices"]) == total)
             if sweep:
-                ax.plot(*zip(*sweep), style, marker=".", color=colors[mode], label=f"{mode}, {total} devices (simulated)")
+                ax.plot(*zip(*sweep), style, marker=".", color=colors[mode],
+                        label=f"{mode}, {total} devices (simulated)")
         colo = [float(r["tokens_per_s"]) for r in pred if r["device_type"] == dev and r["mode"] == "sync-colocated"
                 and int(r["devices"]) == total]
         if colo:

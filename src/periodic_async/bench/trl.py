@@ -203,7 +203,8 @@ def _run_trl(cfg: RunConfig, trl: dict, model_dir: Path, out_dir: Path) -> dict:
     vllm = bool(trl.get("vllm"))
     if vllm:
         patch_trl_vllm_sync()
-    vllm_args = dict(vllm_mode="colocate", vllm_gpu_memory_utilization=0.1, vllm_enable_sleep_mode=False) if vllm else {}
+    vllm_args = (dict(vllm_mode="colocate", vllm_gpu_memory_utilization=0.1, vllm_enable_sleep_mode=False)
+                 if vllm else {})
     args = GRPOConfig(
         output_dir=str(out_dir), use_cpu=True, bf16=False, fp16=False, use_vllm=vllm, **vllm_args, report_to="none",
         save_strategy="no", logging_steps=1, disable_tqdm=True, seed=cfg.model.seed, data_seed=cfg.data.seed,

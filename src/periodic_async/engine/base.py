@@ -189,8 +189,8 @@ def assign_workers(requests: list[Request], num_workers: int) -> list[int]:
 
 def state_to_numpy(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
     """CPU numpy copies (name -> (array, torch dtype name)). numpy, not torch tensors, because
-    Ray's object store hands numpy arrays to readers zero-copy (measured: ~1 ms for 256 MiB, a torch tensor 0.4-1.1 s). bf16/fp16 travel as
-    int16 bit patterns (numpy has no bfloat16)."""
+    Ray's object store hands numpy arrays to readers zero-copy (measured: ~1 ms for 256 MiB, a torch
+    tensor 0.4-1.1 s). bf16/fp16 travel as int16 bit patterns (numpy has no bfloat16)."""
     out = {}
     for name, t in state_dict.items():
         t = t.detach().to("cpu").contiguous()
@@ -249,7 +249,8 @@ def check_adapter(state_dict: dict[str, torch.Tensor], spec: dict[str, tuple[int
                              f"the engine's adapter {spec[name]} (model.lora.rank and target_modules must match "
                              "the trainer's)")
         if not t.is_floating_point():
-            raise AdapterError(f"update_weights: not this engine's LoRA adapter: {name} is {t.dtype}, not a float tensor")
+            raise AdapterError(f"update_weights: not this engine's LoRA adapter: {name} is {t.dtype}, "
+                               "not a float tensor")
 
 
 @torch.no_grad()

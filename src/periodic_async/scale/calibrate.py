@@ -294,7 +294,8 @@ def device_costs(spec: dict, assumptions: dict, params: float, context_tokens: f
     train_state = 18.0 * params
     d0 = max(1, math.ceil(train_state / (u["train_memory_util"] * mem)))
     bw = tp * hbm * u["hbm_util"]
-    costs = Costs(decode_step_s=weights / bw + u["decode_overhead_s"], decode_seq_s=2 * params / (tp * peak * u["mfu_decode"]),
+    costs = Costs(decode_step_s=weights / bw + u["decode_overhead_s"],
+                  decode_seq_s=2 * params / (tp * peak * u["mfu_decode"]),
                   decode_ctx_s=kv / bw, prefill_token_s=2 * params / (tp * peak * u["mfu_prefill"]),
                   train_token_s=8 * params / (d0 * peak * u["mfu_train"]), train_ref_devices=d0,
                   dp_efficiency=u["dp_efficiency"], sync_base_s=u["sync_latency_s"],
