@@ -254,10 +254,10 @@ def main() -> None:
     pushed = set()
     for label, path, workers, workload in runs:
         model_cfg = ModelConfig(name_or_path=path, device="cpu")
-        # each model's push: on its first pass
         r, push, sync = compare(model_cfg, label, workers, workload, repeats,
                                 max_num_seqs=32 if workload is tiny_workload else 16, kv_gib=1.0,
-                                measure_push=label not in pushed, measure_sync=args.quick)
+                                measure_push=label not in pushed,  # each model's push: on its first pass
+                                measure_sync=args.quick)
         pushed.add(label)
         rows += r
         if push:

@@ -6,12 +6,12 @@ predictions (labelled simulated) for 16-64 accelerators.
 
 1. Measured (experiments/scaling.yaml, the bench protocol: systems interleaved round by round,
    median with min and max, first iteration of every run excluded, commit + config hash per
-   row): sync-separated and periodic-async with 1 and 2 engine workers (engine.num_workers).
-   On a 2-core CPU periodic-async with 2 engine workers runs 3 busy workers on 2 cores: it
-   measures oversubscription, not scale-out, and the simulator models it as such (processor
-   sharing). With --trainer-ranks also sync-separated
-   with 1 and 2 torchrun trainer ranks (periodic_async.parallel.distributed; each run a subprocess with
-   its own engine; speedup_vs_1 compares r2 with r1).
+   row): sync-separated and periodic-async with 1 and 2 engine workers (engine.num_workers). On a
+   2-core CPU periodic-async with 2 engine workers runs 3 busy workers on 2 cores: it measures
+   oversubscription, not scale-out, and the simulator models it as such (processor sharing).
+   With --trainer-ranks also sync-separated with 1 and 2 torchrun trainer ranks
+   (periodic_async.parallel.distributed; each run a subprocess with its own engine; speedup_vs_1
+   compares r2 with r1).
 2. The simulator (periodic_async.scale.simulate) is calibrated on every measured run
    (periodic_async.scale.calibrate.fit_costs) and re-simulates each run's iterations from their own
    response lengths: relative error of the median iteration time per system, in-sample and

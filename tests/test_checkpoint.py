@@ -135,8 +135,8 @@ def test_resume_matches_uninterrupted(stop, engine, full, tokenizer_dir, tmp_pat
     final = Path(resumed.trainer.output_dir) / checkpoint.LATEST
     assert final.resolve().name == "checkpoint-3"
     w0 = load_policy(full.model)[0].state_dict()
-    assert max_abs_diff(checkpoint_weights(final),
-                        {k: w0[k] for k in checkpoint_weights(final)}) > 1e-3, "training must move the weights"
+    assert max_abs_diff(checkpoint_weights(final), {k: w0[k] for k in checkpoint_weights(final)}) > 1e-3, \
+        "training must move the weights"
     assert max_abs_diff(checkpoint_weights(final),
                         checkpoint_weights(Path(full.trainer.output_dir) / "checkpoint-3")) <= 1e-10
 

@@ -111,8 +111,8 @@ def test_prompt_template_is_configuration(tmp_path, tokenizer):
     assert msgs == [{"role": "system", "content": "You are a careful tutor."},
                     {"role": "user", "content": "[animals] How many legs has a cat? Reply with \\boxed{N}."}]
     text = tokenizer.decode(encode_chat(tokenizer, msgs))
-    assert text.startswith("You are a careful tutor.\n<|user|>[animals] How many legs") \
-        and text.endswith("<|assistant|>")
+    assert text.startswith("You are a careful tutor.\n<|user|>[animals] How many legs")
+    assert text.endswith("<|assistant|>")
     turns = prompt_messages(make_synthetic(1, DataConfig(), 9)[0], shots,
                             DataConfig(few_shot_format="turns", system_prompt="S"))
     assert [m["role"] for m in turns] == ["system", "user", "assistant", "user", "assistant", "user"]

@@ -108,8 +108,8 @@ def test_request_reproducible_across_workers(model_cfg, tokenizer, ray_engine):
         assert [s.logprobs for s in other.samples] == [s.logprobs for s in alone.samples]
     assert len({tuple(s.token_ids) for s in alone.samples}) == 3  # samples of a group differ
     for rid in crowded_runs[0]:  # run-to-run determinism of the whole crowd
-        assert [s.token_ids for s in crowded_runs[0][rid].samples] == \
-            [s.token_ids for s in crowded_runs[1][rid].samples]
+        assert ([s.token_ids for s in crowded_runs[0][rid].samples]
+                == [s.token_ids for s in crowded_runs[1][rid].samples])
     local_engine = make_engine(EngineConfig(backend="local"), model_cfg)
     local_engine.update_weights(state, version)
     local = next(iter(local_engine.generate([target])))
@@ -233,8 +233,8 @@ def test_stop_string_and_eos_end_samples(model_cfg, tokenizer):
     worker = engine.workers[0]
     worker.eos_ids = {full.token_ids[5]}  # pretend the 6th token is eos
     ended = next(iter(engine.generate([base]))).samples[0]
-    assert ended.finish_reason == "stop" \
-        and ended.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[5]) + 1]
+    assert ended.finish_reason == "stop"
+    assert ended.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[5]) + 1]
 
 
 def test_sampling_top_k_top_p_and_inverse_cdf():
@@ -284,8 +284,8 @@ def test_placement_config_keys():
     cfg = load_config(RunConfig, None, ["engine.gpus_per_worker=0.5", "engine.cpus_per_worker=2",
                                         "engine.placement_strategy=SPREAD", "engine.worker_backend=vllm"])
     e = cfg.engine
-    assert (e.gpus_per_worker, e.cpus_per_worker, e.placement_strategy, e.worker_backend) == \
-        (0.5, 2.0, "SPREAD", "vllm")
+    assert ((e.gpus_per_worker, e.cpus_per_worker, e.placement_strategy, e.worker_backend)
+            == (0.5, 2.0, "SPREAD", "vllm"))
     assert load_config(RunConfig, None, ["engine.gpus_per_worker=null"]).engine.gpus_per_worker is None
     for override, fragment in [("engine.gpus_per_worker=1.5", "engine.gpus_per_worker=1.5"),
                                ("engine.gpus_per_worker=-1", "engine.gpus_per_worker=-1"),

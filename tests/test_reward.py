@@ -305,8 +305,8 @@ def test_reward_and_accuracy_functions_get_every_column(local_engine, tmp_path):
             level = rows[g.prompt_index]["level"]
             assert g.rewards == [float(level)] * 2 and g.correct == [level / 10] * 2
         ev = producer.evaluate_now(1)
-        assert ev["correct"] == [0.4, 0.5] and abs(ev["accuracy"] - 0.45) < 1e-12 \
-            and abs(ev["stderr"] - 0.05 / 2**0.5) < 1e-12
+        assert ev["correct"] == [0.4, 0.5] and abs(ev["accuracy"] - 0.45) < 1e-12
+        assert abs(ev["stderr"] - 0.05 / 2**0.5) < 1e-12
     finally:
         producer.close()
         producer.accuracy_fn.close()

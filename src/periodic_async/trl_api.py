@@ -76,8 +76,8 @@ NO_EFFECT: dict[str, str] = {
     "dataloader_prefetch_factor": "no dataloader",
     "remove_unused_columns": "every column reaches the reward functions",
     "vllm_mode": "the engines are separate workers (or in-process for sync-colocated); `mode` says which",
-    "vllm_gpu_memory_utilization": "the KV cache is engine.vllm_kv_cache_gib "
-                                   "(overrides=['engine.vllm_kv_cache_gib=...'])",
+    "vllm_gpu_memory_utilization": ("the KV cache is engine.vllm_kv_cache_gib "
+                                    "(overrides=['engine.vllm_kv_cache_gib=...'])"),
     "vllm_enable_sleep_mode": "separated engines keep their memory",
     "vllm_tensor_parallel_size": "one engine per worker; scale out with num_engine_workers",
     "vllm_max_model_length": "the model's own context",
@@ -784,7 +784,7 @@ class GRPOTrainer:
                                   "processing_class=None")
             return path
         if not hasattr(model, "save_pretrained"):
-            raise ConfigError("GRPOTrainer(model=...): expected a model directory, a preset name or a "
+            raise ConfigError(f"GRPOTrainer(model=...): expected a model directory, a preset name or a "
                               f"PreTrainedModel, got {type(model).__name__}")
         out = self.output_dir / "initial_model"
         tokenizer = processing_class

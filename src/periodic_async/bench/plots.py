@@ -289,8 +289,8 @@ def plot_scaling(measured_csv: str | Path, simulated_csv: str | Path, out_path: 
     ax.bar([i + 0.2 for i in x], s, 0.4, color="#DDDDDD", edgecolor="black", hatch="//", label="simulated (calibrated)")
     for i, r in enumerate(meas):
         if r["system"] in points:
-            ax.text(i + 0.2, s[i], f"{float(points[r['system']]['rel_error']):+.0%}",
-                    ha="center", va="bottom", fontsize=7)
+            ax.text(i + 0.2, s[i], f"{float(points[r['system']]['rel_error']):+.0%}", ha="center", va="bottom",
+                    fontsize=7)
     ax.set_xticks(x, [r["system"] for r in meas], rotation=20, fontsize=7)
     ax.set(ylabel="seconds per iteration")
     ax.set_title(f"CPU ({meas[0]['cpu_cores']} cores): measured vs simulated", fontsize=9, loc="left")

@@ -97,8 +97,8 @@ def plan(totals: Sequence[int], params: float, device: str, workload_args: dict,
     workload = Workload(w["batch"], w["group"], dc.slots, w["micro_batch_tokens"], 1, w["shared_prompt"],
                         dc.notes["model_bytes"])
     points = [p for total in totals for mode in modes
-              for p in best_split(mode, total, dc, spec, params, workload, lengths, w["prompt_tokens"],
-                                  iterations, seed)]
+              for p in best_split(mode, total, dc, spec, params, workload, lengths, w["prompt_tokens"], iterations,
+                                  seed)]
     return points, dc
 
 
