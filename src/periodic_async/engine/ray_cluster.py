@@ -41,8 +41,8 @@ def init_ray(engine_cfg) -> bool:
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray starts workers at nice 15: beside any busy nice-0 process (the trainer, Ray's own
-    # agents) an engine worker then gets a few % of a core (we measured 25-30x slower
-    # generation). Inference workers are the job, not background work: same priority.
+    # agents) an engine worker then gets a few % of a core (generation many times slower:
+    # docs/scaling.md). Inference workers are the job, not background work: same priority.
     os.environ.setdefault("RAY_worker_niceness", "0")
     common = dict(log_to_driver=False, logging_level=logging.WARNING, runtime_env={"env_vars": offline_env()})
     # ray.init replaces the driver's SIGTERM handler with sys.exit: keep the caller's (the CLI's

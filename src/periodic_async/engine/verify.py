@@ -18,11 +18,12 @@ or never) `PushCheck.after_push`
 Every check is logged (logger.info: version, push seconds, the largest gap and its worker)
 and kept in `last` for the iteration's metrics. What it proves and what not: a gap above the
 tolerance means the engine does not hold the trainer's weights; a gap below it means its
-outputs agree with them on the probe to that tolerance. Measured in fp32 through vLLM CPU:
-2e-6 to 1.4e-5 on random 2- to 12-layer Llamas, 2.5e-5 to 4.1e-5 on SmolLM2-135M, against
-0.2-0.45 for a half-updated tied embedding and 0.4 for SmolLM2 weights moved by 1e-3 x N(0, 1)
-that did not arrive. A push that changes the weights by less than the tolerance cannot be
-told from a push that did not arrive. The built-in engines copy weights exactly (gap ~1e-7).
+outputs agree with them on the probe to that tolerance. In fp32 through vLLM's CPU build a
+push that arrived leaves gaps well below the default tolerance and one that did not (a
+half-updated tied embedding, a moved policy never sent) gaps far above it (`probe_max_gap` and
+`gap_without_push` in results/vllm_push.csv; tests/test_vllm.py, tests/test_verify.py). A push
+that changes the weights by less than the tolerance cannot be told from a push that did not
+arrive. The built-in engines copy weights exactly (gap ~1e-7).
 
 LoRA (model.lora.enabled): the push is the adapter alone, and both sides score through it. The
 trainer's policy is a peft model, whose forward applies its adapter; the engines' probes run

@@ -140,9 +140,9 @@ def _teardown_vllm_state() -> None:
 
 VLLM_MIN_PARAMETERS = 50_000_000
 """`engine.worker_backend=auto` picks vLLM for model directories of at least this many parameters.
-Measured (experiments/engine_throughput.sh, results/engine.csv, one thread per worker): vLLM
-generated more tokens/s than the built-in engine at every size measured, about 1.3-2.3x on a
-5M preset and about 2.6-2.9x on SmolLM2-135M-Instruct. Below this size the built-in engine
+Measured (experiments/engine_throughput.sh, results/engine.csv, docs/results.md; one thread per
+worker): vLLM generated more tokens/s than the built-in engine at every size measured, by more
+on SmolLM2-135M-Instruct than on the 5M preset. Below this size the built-in engine
 stays the default all the same: it is bitwise batch-invariant, which the exactness experiments
 and tests rely on, and the tiny-model results were measured with it (presets, built in memory,
 cannot be served by vLLM at all). `engine.worker_backend=vllm` uses vLLM for any directory."""
