@@ -17,8 +17,8 @@ speedup = median over rounds of (faster per-response variant / shared); the base
 peak_mem_ratio = baseline memory / shared memory (> 1: shared needs less): on CUDA the peak
 allocated bytes, on CPU the activation bytes saved for backward (parameters excluded).
 
-    bash experiments/shared_prompt_ablation.sh          # full grid, qwen2-1m fp32, ~10 min on 1 CPU thread
-    QUICK=1 bash experiments/shared_prompt_ablation.sh  # tiny grid, < 1 min
+    bash experiments/shared_prompt_ablation.sh          # full grid, qwen2-1m fp32, 1 CPU thread
+    QUICK=1 bash experiments/shared_prompt_ablation.sh  # tiny grid; wall times of both: results/run_all_times*.csv
 Writes $RESULTS_DIR/shared_prompt.csv (P,G,R,backend,speedup,token_bound,efficiency,peak_mem_ratio)
 and figures/shared_prompt.png (`bench.plots.plot_shared_prompt`, also called by notebooks/shared_prompt.ipynb).
 """

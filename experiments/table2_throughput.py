@@ -4,7 +4,7 @@ and with vLLM (`trl-grpo-vllm`, TRL's colocate mode), and of our three modes, ea
 without shared-prompt packing, on one model, tokenizer, prompt set and reward. Speedups are
 quoted against the faster of the two TRL configurations (`trl_baseline` names it).
 
-    bash experiments/table2_throughput.sh              # ~50 min on 2 cores; QUICK=1: ~1 min
+    bash experiments/table2_throughput.sh              # QUICK=1: smoke size; wall times: results/run_all_times*.csv
     python experiments/table2_throughput.py [--quick] [--repeats N] [--settings long-prompt,...] [--results results]
                                             [--figures figures] [--runs runs/table2] [section.key=value ...]
 

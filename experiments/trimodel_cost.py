@@ -14,7 +14,7 @@ of per-round ratios):
 and the parameter bytes of the models each variant keeps. Writes one CSV row per variant.
 
     bash experiments/trimodel_cost.sh                 # qwen2-5m, fp32
-    QUICK=1 bash experiments/trimodel_cost.sh         # qwen2-1m, under half a minute
+    QUICK=1 bash experiments/trimodel_cost.sh         # qwen2-1m (wall time: results/run_all_times_quick.csv)
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def split_plan(segment_T: torch.Tensor, response_T: torch.Tensor) -> SplitPlan:
 
 
 MERGE_SIBLINGS_ON_CPU = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
-"""Use `_PromptPlusOwn` on CPU (3-10% faster fwd+bwd than one call per response; False to compare)."""
+"""Use `_PromptPlusOwn` on CPU: its fwd+bwd measured faster than one call per response when it was
+written (a timing no results CSV keeps; False to compare, e.g. under experiments/shared_prompt_ablation.py)."""
 
 
 def _merge_siblings(calls):

@@ -487,12 +487,13 @@ class AlgorithmConfig:
     multiplied by rho. Per token or per sequence, and a sequence is never cut between
     micro-batches, so it is exact under streaming. 'off' (default): the paper's on-policy
     objective; behaviour and old are the same weights (each push is checked, engine.verify_push)
-    and differ by engine/trainer numerics only (rho within ~1e-6 of 1 with the built-in engine,
+    and differ by engine/trainer numerics only (rho within rounding of 1 with the built-in engine,
     even in float64: it decodes with a KV cache, the trainer scores packed; behaviour_logp_gap
-    reports the gap), so the correction would change the update by that much; turn it on for bf16
-    vLLM engines, whose gap is larger (TRL's reason to apply it). In async-offpolicy old is the
-    behaviour, so rho = 1. The metrics report rho (is_ratio_mean/min/max, is_ratio_cut: the
-    fraction of tokens, or sequences, truncated or masked)."""
+    reports the gap, its measured size in docs/usage.md "Settings that matter"), so the
+    correction would change the update by that much; turn it on for bf16 vLLM engines, whose gap
+    is larger (TRL's reason to apply it). In async-offpolicy old is the behaviour, so rho = 1. The
+    metrics report rho (is_ratio_mean/min/max, is_ratio_cut: the fraction of tokens, or
+    sequences, truncated or masked)."""
     behaviour_is_min: float | None = None
     """Lower bound C_min of behaviour_is (TRL's vllm_importance_sampling_clip_min); None: none."""
     behaviour_is_max: float | None = 3.0
