@@ -237,8 +237,6 @@ def iteration_rounds(rounds: int, quick: bool, runs: Path) -> list[dict]:
 def peak_one(mode: str, path: str) -> dict:
     """One process: load the policy (full or LoRA), run one tri-model micro-step (every model kept:
     beta > 0, the old policy's forward) and one optimizer step; its peak resident memory."""
-    import resource
-
     sys.path.insert(0, str(HERE))
     from trimodel_cost import make_micro_batch
 
@@ -254,7 +252,10 @@ def peak_one(mode: str, path: str) -> dict:
     inputs = make_micro_batch(policy.config.vocab_size, 2, 4, 128, 64).build(shared=True)
     tri.micro_step(inputs, grpo.LossAccumulator("token-mean"))
     opt.step()
-    return {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    # VmHWM: this process's own high-water mark (getrusage's ru_maxrss survives exec on Linux: it
+    # would report the parent's resident set at the fork when that was larger)
+    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    return {"peak_rss_mib": round(int(hwm.split()[1]) / 1024, 1)}
 
 
 LEARNING_LRS = (3e-5, 1e-4, 3e-4)

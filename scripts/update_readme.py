@@ -199,7 +199,8 @@ def _lora_verdict(rows):
     missed = ([(f"{kept - LORA_WEIGHTS:.3f}x one model's weights", "layout")] if kept > LORA_WEIGHTS else []) \
         + ([("its push bytes", "layout")] if not push or any(float(r["bytes_vs_full"]) > LORA_BYTES for r in push)
            else []) \
-        + [(f"{X2(float(r['push_check_vs_full']) - 1)} of full's push + check ({r['engine']})", "CPU")
+        + [(f"{X2(float(r['push_check_vs_full']) - 1)} of full's push + check ({r['engine']})",
+            "CPU: the check's two forwards through the unmerged adapter")
            for r in push if float(r["push_check_vs_full"]) > 1] \
         + ([("the learning run", "not measured")] if not final else
            [(f"{PT(LORA_GAIN - float(final[0]['gain']))} points of held-out gain", "learning")]
@@ -573,7 +574,8 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                   "push_check_s_max push_check_vs_full push_check_vs_full_min push_check_vs_full_max gen_tok_s "
                   "gen_vs_full max_gap rounds versions_per_round"),
     "lora_learning": ("lora_learning.csv", "experiments/lora.sh",
-                      None),
+                      "kind lr chosen_by iterations eval_accuracy_start eval_accuracy_end eval_n gain gain_stderr "
+                      "gain_stderr_paired wall_s"),
     "trimodel_cost": ("trimodel_cost.csv", "experiments/trimodel_cost.sh", None),
     "table2_throughput": ("table2_throughput.csv", "experiments/table2_throughput.sh",
                           "setting system shared_prompt tokens_per_s tokens_per_s_min tokens_per_s_max speedup_vs_trl "

@@ -508,6 +508,10 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
                   if r["device_type"].endswith(" (measured)")}) == 1),
     ("docs/usage.md", "the restarted worker re-sent", lambda: any(r["restarted"] == "yes"
                                                                    for r in _read(R / "soak_summary.csv"))),
+    ("docs/results.md", "These push rounds ran while the LoRA learning run below held both cores",
+     lambda: {r["git_commit"] for r in _read(R / "lora_push.csv")} == {"2f852783088743a5809a599c2197fee22c5a9e0c"}),
+    ("docs/results.md", "Held-out accuracy rose by", lambda: float(next(
+        r for r in _read(R / "lora_learning.csv") if r["kind"] == "final")["gain"]) > 0),
     ("docs/results.md", "make each forward slower than the plain model's", lambda: (lambda rows: float(
         rows[("local", "lora")]["check_s"]) > float(rows[("local", "full")]["check_s"]))(
         {(r["engine"], r["mode"]): r for r in _read(R / "lora_push.csv")})),
