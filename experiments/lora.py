@@ -23,12 +23,13 @@ LoRA r=16 (alpha 32) on all seven linear projections, one thread:
    async_speedup_real.yaml's deployment at B=8 (`iteration_rounds`), interleaved rounds.
 4. learning (results/lora_learning.csv, results/reward_curves_real_lora{,_summary}.csv): the
    full fine-tuning curve's workload (reward_curves_real.yaml) with LoRA, its learning rate chosen
-   by a short sweep on the training reward (`learning`), then held-out accuracy before and after
-   the curve's 20 iterations.
+   by a short sweep (3 rates x 4 iterations, ranked by greedy accuracy on a validation draw:
+   `learning`), then held-out accuracy before and after the curve's 20 iterations.
 
     bash experiments/lora.sh            # 3 rounds of each part, then the learning runs (about 1.5 hours)
     QUICK=1 bash experiments/lora.sh    # 1 round, 2 versions, vLLM only, a small micro-batch, a toy sweep
     python experiments/lora.py --parts learning    # some parts (trimodel, push, iteration, learning)
+    python experiments/lora.py --parts sweep       # the learning-rate sweep alone (an earlier final run kept)
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ LEARNING = ["model.lora.enabled=true", "model.lora.push=merged", f"model.lora.ra
 far slower through an adapter than without (gen_tok_s in lora_push.csv); the samples are the same."""
 
 
-def learning(args) -> list[dict]:
+def learning(args, final: bool = True) -> list[dict]:
     """LoRA on reward_curves_real.yaml's workload, periodic-async. The sweep (without --lr):
     `trainer.iterations` = args.sweep_iterations at each of LEARNING_LRS (constant after one
     warm-up step), then greedy accuracy on a validation draw (data.seed=1: other training prompts
@@ -276,7 +277,7 @@ def learning(args) -> list[dict]:
     while its held-out accuracy rises. With --lr the sweep is skipped (chosen_by: given). The
     final run: that lr on the full curve's settings (20 iterations, cosine, held-out accuracy every
     5), by reward_curves.py, which writes reward_curves_real_lora{,_summary}.csv. Returns the
-    sweep's rows and the final's."""
+    sweep's rows and the final's; with `final` False (--parts sweep) the sweep's alone."""
     from periodic_async.bench.protocol import SharedEngines
     from periodic_async.config import RunConfig, load_config
     from periodic_async.pipeline import run
@@ -305,6 +306,8 @@ def learning(args) -> list[dict]:
                   f"validation {val['accuracy']:.3f}", flush=True)
     finally:
         engines.close()
+    if not final:
+        return rows
     best = (max(rows, key=lambda r: r["validation_accuracy"]) if rows else
             {"lr": args.lr, "chosen_by": "given (--lr)"})
     best["chosen"] = True
@@ -343,14 +346,17 @@ def main() -> None:
     ap.add_argument("--results", default="results")
     ap.add_argument("--runs", default="runs/lora")
     ap.add_argument("--parts", default="trimodel,push,iteration,learning",
-                    help="comma-separated: trimodel, push, iteration, learning (learning: about 45 minutes)")
+                    help="comma-separated: trimodel, push, iteration, learning (the sweep, unless --lr, then the "
+                    "final run: about 1.5 hours), sweep (the sweep alone; an earlier final run's rows are kept)")
     ap.add_argument("--sweep-iterations", type=int, default=4, help="iterations of each learning-rate sweep run")
     ap.add_argument("--sweep-eval", type=int, default=100, help="validation problems of each sweep run")
     ap.add_argument("--lr", type=float, default=None, help="the LoRA learning rate of the learning run (no sweep)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if parts - {"trimodel", "push", "iteration", "learning"}:
-        ap.error(f"--parts {args.parts}: expected trimodel, push, iteration, learning")
+    if parts - {"trimodel", "push", "iteration", "learning", "sweep"}:
+        ap.error(f"--parts {args.parts}: expected trimodel, push, iteration, learning, sweep")
+    if "sweep" in parts and ("learning" in parts or args.lr):
+        ap.error("--parts sweep runs the learning-rate sweep alone (learning runs it before its final run)")
     if args.quick:  # the same code paths, small: vLLM only, a small micro-batch
         args.rounds, args.versions, args.engines = 1, 2, "vllm"
     from periodic_async.bench.tables import write_csv
@@ -392,6 +398,16 @@ def main() -> None:
         rows = learning(args)
         written.append(write_csv(out / "lora_learning.csv", rows))
         print(f"[lora] learning: {rows[-1]}")
+    if "sweep" in parts:  # the sweep's rows replace an earlier sweep's; the final run's rows stay as they were
+        from periodic_async.bench.tables import read_csv
+
+        old = out / "lora_learning.csv"
+        kept = [r for r in (read_csv(old) if old.is_file() else []) if r["kind"] == "final"]
+        rows = learning(args, final=False)
+        best = max(rows, key=lambda r: r["validation_accuracy"])
+        best["chosen"] = True
+        written.append(write_csv(old, rows + kept))
+        print(f"[lora] sweep: lr {best['lr']:g} has the best validation accuracy ({best['validation_accuracy']})")
     log_experiment("lora", written)
 
 
