@@ -403,6 +403,13 @@ VALUES |= {  # the tri-model, and LoRA's tri-model and barrier against full fine
     **_cols("lora.full", "lora_trimodel.csv", {"mode": "full", "variant": "all_kept"}, weights_vs_one_model=X1),
     "lora.push_rounds": ("lora_push.csv", _first, "rounds"),
 }
+for _v in ("full", "lora"):  # the iteration with LoRA (merged push) against full, each mode its best setting
+    for _m, _t in (("periodic-async", "pa"), ("sync-separated", "ss")):
+        VALUES |= _cols(f"lora.iter.{_v}.{_t}", "lora_iteration.csv", {"variant": _v, "mode": _m}, "repeats",
+                        speedup_vs_sync_separated=X2, tokens_per_s_vs_full=X2, mean_train_s=F1, mean_sync_s=F2,
+                        mean_generate_s=F1)
+        VALUES[f"lora.iter.{_v}.{_t}.vs_full_range"] = ("lora_iteration.csv", {"variant": _v, "mode": _m}, (
+            "tokens_per_s_vs_full_min", "tokens_per_s_vs_full_max"), X2)
 for _e in ("local", "vllm"):
     _where = {"engine": _e, "mode": "lora"}
     VALUES |= _cols(f"lora.{_e}", "lora_push.csv", _where, push_check_s=F2, push_check_vs_full=X2, bytes_vs_full=F3)
@@ -573,9 +580,13 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                   "engine mode bytes bytes_vs_full tensors push_s check_s push_check_s push_check_s_min "
                   "push_check_s_max push_check_vs_full push_check_vs_full_min push_check_vs_full_max gen_tok_s "
                   "gen_vs_full max_gap rounds versions_per_round"),
+    "lora_iteration": ("lora_iteration.csv", "experiments/lora.sh",
+                       "variant mode tokens_per_s tokens_per_s_min tokens_per_s_max speedup_vs_sync_separated "
+                       "tokens_per_s_vs_full tokens_per_s_vs_full_min tokens_per_s_vs_full_max mean_iteration_s "
+                       "mean_generate_s mean_train_s mean_sync_s repeats measured_iterations"),
     "lora_learning": ("lora_learning.csv", "experiments/lora.sh",
-                      "kind lr chosen_by iterations eval_accuracy_start eval_accuracy_end eval_n gain gain_stderr "
-                      "gain_stderr_paired wall_s"),
+                      "kind lr chosen_by chosen iterations validation_accuracy validation_n eval_accuracy_start "
+                      "eval_accuracy_end eval_n gain gain_stderr gain_stderr_paired wall_s"),
     "trimodel_cost": ("trimodel_cost.csv", "experiments/trimodel_cost.sh", None),
     "table2_throughput": ("table2_throughput.csv", "experiments/table2_throughput.sh",
                           "setting system shared_prompt tokens_per_s tokens_per_s_min tokens_per_s_max speedup_vs_trl "

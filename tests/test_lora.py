@@ -369,6 +369,14 @@ def _ranks_cfg(tokenizer_dir, parallel: str = "ddp") -> RunConfig:
                                             "model.lora.target_modules": "[q_proj, v_proj, up_proj]"})
 
 
+def _merged_push(cfg: RunConfig) -> RunConfig:
+    """`cfg` with model.lora.push='merged' (what a consumer's engine_state_dict reads)."""
+    import dataclasses
+
+    lora = dataclasses.replace(cfg.model.lora, push="merged")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=lora))
+
+
 def _lora_ranks(rank: int, world: int, port: int, tokenizer_dir: str, parallel: str, out: str) -> None:
     """One trainer rank: LoRA training over test_distributed's PLAN (uneven shares, an empty one), a
     checkpoint after iteration 0 (collective), then a fresh policy resumed from it trains iteration 1."""
@@ -393,6 +401,8 @@ def _lora_ranks(rank: int, world: int, port: int, tokenizer_dir: str, parallel: 
             if leg == "full" and iteration == 0:
                 checkpoint.save(Path(out), 1, policy, tok, consumer, cfg)
         result[leg] = consumer.engine_state_dict()  # fsdp: gathered (every rank joins)
+    consumer.cfg = _merged_push(cfg)
+    result["merged"] = consumer.engine_state_dict()  # fsdp: the whole model gathered, then merged
     torch.save(result, Path(out) / f"rank{rank}.pt")
     ranks.close()
 
@@ -401,7 +411,8 @@ def _lora_ranks(rank: int, world: int, port: int, tokenizer_dir: str, parallel: 
 def test_trainer_ranks_train_the_adapter_as_one_process(tokenizer_dir, tmp_path, parallel):
     """2 gloo ranks with LoRA (ddp; fsdp: FSDP2 shards base and adapters alike): uneven and empty
     shares of two iterations give the single-process adapter (fp64, <= 1e-10), and so does a fresh
-    pair of ranks resumed from the checkpoint the ranks wrote after iteration 0."""
+    pair of ranks resumed from the checkpoint the ranks wrote after iteration 0; with
+    model.lora.push='merged' every rank's push is the single process's merged model."""
     from test_distributed import PLAN, RankPool, _free_port, _groups
 
     pool = RankPool()
@@ -416,13 +427,18 @@ def test_trainer_ranks_train_the_adapter_as_one_process(tokenizer_dir, tmp_path,
     for iteration in range(len(PLAN)):
         consumer.train_iteration(_groups(policy.config.vocab_size, iteration), iteration, iteration)
     want = consumer.engine_state_dict()
+    consumer.cfg = _merged_push(cfg)
+    merged = consumer.engine_state_dict()
     assert max((want[n] - start[n]).abs().max().item() for n in want) > 1e-3, "training must move the adapter"
+    assert not any("lora_" in n for n in merged) and len(merged) > len(want)
     assert (tmp_path / "checkpoint-1" / checkpoint.ADAPTER / "adapter_model.safetensors").is_file()
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for leg in ("full", "resumed"):
             assert got[leg].keys() == want.keys()
             assert max((got[leg][n] - want[n]).abs().max().item() for n in want) <= 1e-10, (rank, leg)
+        assert got["merged"].keys() == merged.keys()
+        assert max((got["merged"][n] - merged[n]).abs().max().item() for n in merged) <= 1e-10, rank
 
 
 # --- whole runs: the equivalence claim and exact resume with LoRA ------------------------------------

@@ -544,20 +544,36 @@ def test_advantages_and_loss_match_trl(tmp_path, model_dir, case, monkeypatch):
                     p.sub_(0.5 / norm * their_grads[n])
 
 
-@pytest.mark.slow  # ~2 min: vLLM start-up (covered by default: test_trl_script_trains_two_steps_and_saves)
-def test_trl_quickstart_script_on_smollm2(tmp_path):
+@pytest.mark.slow  # ~2 min each: vLLM start-up (covered by default: test_trl_script_trains_two_steps_and_saves,
+# test_trl_script_with_peft_config_saves_the_adapter)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_trl_quickstart_script_on_smollm2(tmp_path, lora):
     """examples/trl_grpo.py, a script in TRL's shape, trains two steps on SmolLM2-135M-Instruct
-    with its import line switched to TRL's and back (the same file, one line changed)."""
+    with its import line switched to TRL's and back (the same file, one line changed); with
+    --lora (peft_config=LoraConfig(...)) it saves the adapter, which PeftModel loads on the base and
+    which moved from its start (lora_B starts at zero)."""
     model = ROOT / "artifacts" / "smollm2-135m-instruct"
     if not (model / "config.json").is_file():
         pytest.skip("run `python -m periodic_async prepare-model smollm2-135m` first")
     script = (ROOT / "examples" / "trl_grpo.py").read_text()
     assert "from periodic_async import GRPOConfig, GRPOTrainer" in script
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_grpo.py"), "--model", str(model),
-                          "--output-dir", str(tmp_path / "run"), "--max-steps", "2"],
+                          "--output-dir", str(tmp_path / "run"), "--max-steps", "2", *(["--lora"] if lora else [])],
                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "global_step=2" in out.stdout and (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    final = tmp_path / "run" / "final"
+    assert "global_step=2" in out.stdout
+    if not lora:
+        assert (final / "model.safetensors").is_file()
+        return
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    assert (final / "adapter_model.safetensors").is_file() and not (final / "model.safetensors").exists()
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), final)
+    lora_b = [p for n, p in loaded.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 7 * loaded.config.num_hidden_layers  # all-linear: the seven projections of every layer
+    assert max(p.abs().max().item() for p in lora_b) > 0, "two steps must move the adapter"
 
 
 def test_in_memory_model_and_its_tokenizer_are_written_for_the_engines(tmp_path, model_dir):

@@ -520,6 +520,10 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
         re.search(r"^\s+lr: (\S+)", (ROOT / "experiments/reward_curves_real.yaml").read_text(), re.M).group(1)))),
     ("docs/results.md", "or given with `--lr`; this run", lambda: next(
         r for r in _read(R / "lora_learning.csv") if r["kind"] == "final")["chosen_by"].startswith("given")),
+    ("docs/results.md", "LoRA's own gain is in training", lambda: (lambda rows: float(
+        rows["lora"]["mean_train_s"]) < float(rows["full"]["mean_train_s"]) and float(
+        rows["lora"]["mean_sync_s"]) > float(rows["full"]["mean_sync_s"]))(
+        {r["variant"]: r for r in _read(R / "lora_iteration.csv") if r["mode"] == "sync-separated"})),
     ("docs/reproduce.md", "Beside one CPU-bound process", lambda: (R / "test_costs_busy.csv").is_file()),
     ("docs/reproduce.md", "The default suite `-n", lambda: _read(R / "test_costs.csv")[0]["pytest_args"] != ""
      and "load" in _read(R / "test_costs.csv")[0]),
