@@ -177,7 +177,8 @@ def _overlap_verdict(rows):
     return _verdict(max(gaps) > 0, f"{100 * max(gaps):.1f} points", "scale")
 
 
-EQUIVALENT = {"equivalent": "two-steps", "real-model": "real-model-two-steps"}
+EQUIVALENT = {"equivalent": "two-steps", "real-model": "real-model-two-steps",
+              "real-model-lora": "real-model-lora-two-steps"}
 """The equivalence cases and their negative controls (2 optimizer steps per iteration)."""
 
 
@@ -191,12 +192,16 @@ def _equivalence_verdict(rows):
 
 
 def _lora_verdict(rows):
-    """LoRA's tri-model (lora_trimodel.csv), barrier (lora_push.csv) and learning (lora_learning.csv)
-    against LORA_*: every goal it misses, each with its reason."""
+    """LoRA's tri-model (lora_trimodel.csv), barrier (lora_push.csv), trajectory (equivalence.csv's
+    real-model-lora) and learning (lora_learning.csv) against LORA_*: every goal it misses, each with its reason."""
     of = lambda file, **match: [r for r in rows if r["_file"] == file and all(r[k] == v for k, v in match.items())]
     kept = float(of("lora_trimodel.csv", mode="lora", variant="all_kept")[0]["weights_vs_one_model"])
     push, final = of("lora_push.csv", mode="lora"), of("lora_learning.csv", kind="final")
+    eq = of("equivalence.csv", case="real-model-lora")
+    differ = sum(int(r["samples"]) - int(r["identical_samples"]) for r in eq)
     missed = ([(f"{kept - LORA_WEIGHTS:.3f}x one model's weights", "layout")] if kept > LORA_WEIGHTS else []) \
+        + ([("the trajectory", "not measured")] if not eq else
+           [(f"{differ} samples off sync-separated's", "precision")] if differ else []) \
         + ([("its push bytes", "layout")] if not push or any(float(r["bytes_vs_full"]) > LORA_BYTES for r in push)
            else []) \
         + [(f"{X2(float(r['push_check_vs_full']) - 1)} of full's push + check ({r['engine']})",
@@ -375,7 +380,8 @@ for _tag, _summary, _curves, _n in (("rc", SEEDS[0], "reward_curves.csv", 10),
 # On-policy equivalence per case and its control: samples identical, the weights' largest gap, where it parts
 VALUES["verdict.eq"] = (EQ, None, _equivalence_verdict)
 for _tag, _case in (("tiny", "equivalent"), ("real", "real-model"), ("tiny_control", "two-steps"),
-                    ("real_control", "real-model-two-steps")):
+                    ("real_control", "real-model-two-steps"), ("lora", "real-model-lora"),
+                    ("lora_control", "real-model-lora-two-steps")):
     _where = {"case": _case}
     VALUES |= {f"eq.{_tag}.identical": (EQ, _where, lambda rows: "{}/{}".format(
                    sum(int(r["identical_samples"]) for r in rows), sum(int(r["samples"]) for r in rows))),
@@ -392,7 +398,7 @@ VALUES |= {  # the tri-model, and LoRA's tri-model and barrier against full fine
             ratio_vs_policy_only=X2, preset=CODE),
     **_cols("tri.skip_old", "trimodel_cost.csv", {"variant": "tri_skip_old"}, memory_ratio=X1,
             ratio_vs_policy_only=X2),
-    "verdict.lora": (("lora_trimodel.csv", "lora_push.csv", "lora_learning.csv"), None, _lora_verdict),
+    "verdict.lora": (("lora_trimodel.csv", "lora_push.csv", "lora_learning.csv", EQ), None, _lora_verdict),
     **_cols("lora.kept", "lora_trimodel.csv", {"mode": "lora", "variant": "all_kept"}, "model lora_rank rounds",
             weights_vs_one_model=X3, micro_step_vs_full=X2, peak_rss_vs_full=X2),
     **_cols("lora.learn", "lora_learning.csv", {"kind": "final"}, "iterations eval_n chosen_by", lr=_f("g"),

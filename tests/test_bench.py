@@ -94,3 +94,21 @@ def test_rejects_no_repeats_and_duplicate_names():
         schedule(["A"], repeats=0)
     with pytest.raises(ValueError, match="unique"):
         schedule(["A", "A"], repeats=1)
+
+
+def test_equivalence_figure_draws_every_case():
+    """One line per case in both panels, however many cases the CSV holds (the method's solid,
+    the controls' dashed), from the committed results/equivalence.csv."""
+    from pathlib import Path
+
+    from periodic_async.bench.plots import equivalence_figure
+    from periodic_async.bench.tables import read_csv
+
+    rows = read_csv(Path(__file__).resolve().parents[1] / "results" / "equivalence.csv")
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    assert len(cases) > 5
+    fig = equivalence_figure(rows)
+    for ax in fig.axes:
+        assert [line.get_label() for line in ax.get_lines()] == cases
+        assert [line.get_linestyle() for line in ax.get_lines()] == ["--" if c.endswith("two-steps") else "-"
+                                                                     for c in cases]

@@ -524,6 +524,8 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
         rows["lora"]["mean_train_s"]) < float(rows["full"]["mean_train_s"]) and float(
         rows["lora"]["mean_sync_s"]) > float(rows["full"]["mean_sync_s"]))(
         {r["variant"]: r for r in _read(R / "lora_iteration.csv") if r["mode"] == "sync-separated"})),
+    ("docs/results.md", "With LoRA adapters the same holds", lambda: {
+        r["identical_fraction"] for r in _read(R / "equivalence.csv") if r["case"] == "real-model-lora"} == {"1.0"}),
     ("docs/reproduce.md", "Beside one CPU-bound process", lambda: (R / "test_costs_busy.csv").is_file()),
     ("docs/reproduce.md", "The default suite `-n", lambda: _read(R / "test_costs.csv")[0]["pytest_args"] != ""
      and "load" in _read(R / "test_costs.csv")[0]),

@@ -193,12 +193,16 @@ def plot_equivalence(csv_path: str | Path, out_path: str | Path):
     """results/equivalence.csv: per iteration, the largest weight difference between the sync
     and async runs (log scale; an exact 0 is drawn at the floor) and the fraction of samples
     identical in both, for the method (one optimizer step) and the negative control."""
-    plt = _pyplot()
+    return _save(equivalence_figure(read_csv(csv_path)), out_path)
 
-    rows = read_csv(csv_path)
+
+def equivalence_figure(rows: list[dict]):
+    """`plot_equivalence`'s figure of equivalence.csv's rows: one line per case in each panel."""
+    plt = _pyplot()
     floor = 1e-18
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for case, style in zip(dict.fromkeys(r["case"] for r in rows), ("o-", "s--", "^-", "v--", "d:")):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.2))
+    for i, case in enumerate(dict.fromkeys(r["case"] for r in rows)):  # the controls (two-steps) dashed
+        style = "osd^vP*X"[i % 8] + ("--" if case.endswith("two-steps") else "-")
         mine = [r for r in rows if r["case"] == case]
         its = [int(r["iteration"]) for r in mine]
         axes[0].plot(its, [max(float(r["max_abs_weight_diff"]), floor) for r in mine], style, label=case)
@@ -206,11 +210,11 @@ def plot_equivalence(csv_path: str | Path, out_path: str | Path):
     axes[0].set_yscale("log")
     axes[0].set(xlabel="iteration", ylabel="max |w_sync - w_async| after it", ylim=(floor / 10, None))
     axes[1].set(xlabel="iteration", ylabel="samples identical to sync", ylim=(-0.05, 1.05))
+    axes[1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))  # one legend, beside the data
     for ax in axes:
-        ax.legend(fontsize=8)
         ax.set_xticks(sorted({int(r["iteration"]) for r in rows}))
     fig.tight_layout()
-    return _save(fig, out_path)
+    return fig
 
 
 def plot_table2(csv_path: str | Path, out_path: str | Path, batch_csv: str | Path | None = None):
