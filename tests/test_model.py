@@ -157,3 +157,23 @@ def test_unresolvable_model_is_one_line_naming_presets_path_and_cache(tmp_path, 
     assert "qwen2-1m" in msg and "looked in" in msg
     if name == "someone/not-cached":
         assert "Hugging Face cache" in msg and "HF_HUB_OFFLINE" in msg
+
+
+def test_eval_mode_switches_every_module_and_restores_each_ones_own_mode(tokenizer):
+    """Inside `eval_mode` no module trains (dropout off: two forwards agree); after it, even after an
+    exception, every module is back in its own mode, a submodule left in eval mode by its owner included."""
+    from periodic_async.model import eval_mode
+
+    model = build_model(ModelConfig(name_or_path="qwen2-micro", dtype="float64"), tokenizer)
+    model.config.attention_dropout = 0.5
+    model.train()
+    model.model.layers[0].eval()  # its owner's choice: stays in eval after the block
+    before = {n: m.training for n, m in model.named_modules()}
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with eval_mode(model):
+        assert not any(m.training for m in model.modules())
+        assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert {n: m.training for n, m in model.named_modules()} == before
+    with pytest.raises(RuntimeError), eval_mode(model):
+        raise RuntimeError("a forward that fails")
+    assert {n: m.training for n, m in model.named_modules()} == before and not before["model.layers.0"]

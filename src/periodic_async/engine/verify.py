@@ -57,7 +57,7 @@ import torch
 
 from periodic_async.config import HalfDType, VerifyPush
 from periodic_async.engine.base import Engine, EngineError, load_adapter
-from periodic_async.model import is_lora
+from periodic_async.model import eval_mode, is_lora
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +74,12 @@ def probe_tokens(vocab_size: int, length: int = PROBE_LENGTH, seed: int = 202511
 @torch.no_grad()
 def model_logprobs(model: torch.nn.Module, token_ids: list[int]) -> np.ndarray:
     """log_softmax(model(token_ids).logits / 1)[i, token_ids[i+1]] for i < L-1, in float64 numpy
-    (L-1 values). The model is put in eval mode for the forward and restored."""
-    was_training = model.training
-    model.eval()
-    try:
+    (L-1 values). The model is in eval mode for the forward (`model.eval_mode`)."""
+    with eval_mode(model):
         device = next(model.parameters()).device
         ids = torch.tensor([token_ids], device=device)
         logits = model(input_ids=ids).logits[0, :-1].float()
         lp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-    finally:
-        model.train(was_training)
     return lp.double().cpu().numpy()
 
 
