@@ -3,6 +3,8 @@
 # memory; writes $RESULTS_DIR/trimodel_cost.csv (default results/).
 #   bash experiments/trimodel_cost.sh          # qwen2-5m, fp32, about a minute
 #   QUICK=1 bash experiments/trimodel_cost.sh  # qwen2-1m, under half a minute
+# With LoRA against full fine-tuning on SmolLM2-135M-Instruct (weights, micro-step, peak memory):
+#   python experiments/lora.py --parts trimodel  (results/lora_trimodel.csv; part of bash experiments/lora.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh

@@ -404,6 +404,11 @@ VALUES |= {  # the tri-model, and LoRA's tri-model and barrier against full fine
     **_cols("lora.learn", "lora_learning.csv", {"kind": "final"}, "iterations eval_n chosen_by", lr=_f("g"),
             eval_accuracy_start=PT, eval_accuracy_end=PT, gain=PTS, gain_stderr_paired=PT),
     "lora.full_gain": ("reward_curves_real_summary.csv", {"mode": "sync-separated"}, "gain", PTS),
+    "lora.sweep.lr": ("lora_learning.csv", {"kind": "sweep"}, lambda rows: [r["lr"] for r in rows], _f("g")),
+    "lora.sweep.validation": ("lora_learning.csv", {"kind": "sweep"},
+                              lambda rows: [r["validation_accuracy"] for r in rows], _f(".0f", "%", 100)),
+    **_cols("lora.sweep.best", "lora_learning.csv", {"kind": "sweep", "chosen": "True"}, "iterations validation_n",
+            lr=_f("g")),
     **{f"lora.{_e}.gen_vs_full": ("lora_push.csv", {"engine": _e, "mode": "lora"}, "gen_vs_full", X2)
        for _e in ("local", "vllm")},
     **_cols("lora.full", "lora_trimodel.csv", {"mode": "full", "variant": "all_kept"}, weights_vs_one_model=X1),

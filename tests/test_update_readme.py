@@ -457,6 +457,12 @@ def _gain_in_standard_errors(file: str) -> float:
     return abs(float(pa["gain"])) / float(pa["gain_stderr_paired"])
 
 
+def _sweep_best_is_final() -> bool:
+    rows = _read(R / "lora_learning.csv")
+    best = max((r for r in rows if r["kind"] == "sweep"), key=lambda r: float(r["validation_accuracy"]))
+    return best["chosen"] == "True" and float(best["lr"]) == float(next(r for r in rows if r["kind"] == "final")["lr"])
+
+
 READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
     ("README.md", "TRL's GRPOTrainer with vLLM (min-max",
      lambda: [r["trl_baseline"] for r in _t2_best()] == ["trl-grpo-vllm", "trl-grpo", "trl-grpo"]),
@@ -520,6 +526,8 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
         re.search(r"^\s+lr: (\S+)", (ROOT / "experiments/reward_curves_real.yaml").read_text(), re.M).group(1)))),
     ("docs/results.md", "or given with `--lr`; this run", lambda: next(
         r for r in _read(R / "lora_learning.csv") if r["kind"] == "final")["chosen_by"].startswith("given")),
+    ("docs/results.md", "is the rate the final run was given", lambda: _sweep_best_is_final()),
+    ("README.md", "the best of a sweep over", lambda: _sweep_best_is_final()),
     ("docs/results.md", "LoRA's own gain is in training", lambda: (lambda rows: float(
         rows["lora"]["mean_train_s"]) < float(rows["full"]["mean_train_s"]) and float(
         rows["lora"]["mean_sync_s"]) > float(rows["full"]["mean_sync_s"]))(
