@@ -6,8 +6,10 @@ off; the old policy a copy of the adapter tensors). Measured on SmolLM2-135M-Ins
 LoRA r=16 (alpha 32) on all seven linear projections, one thread:
 
 1. push (results/lora_push.csv): per engine (the built-in engine in this process, vLLM in this
-   process), the bytes of one push and the seconds of the push and of its check (the probe's
-   log-probs on the engine against the trainer's), median over versions 2..V of one process
+   process), the bytes of one push and the seconds of reading it off the trainer (extract_s:
+   what Consumer.engine_state_dict does; with LoRA a copy of the adapter), of the engine's update
+   (push_s) and of its check (check_s: the probe's log-probs on the engine against the
+   trainer's); push_check_s is the three together, median over versions 2..V of one process
    (version 1 is the engine's first push); then the engine's sampling speed through what the
    last push left (gen_tok_s: 8 requests x 32 tokens, eos ignored; with LoRA through the
    adapter). One process per (engine, mode): a process holds one vLLM engine. The two modes
@@ -26,7 +28,7 @@ LoRA r=16 (alpha 32) on all seven linear projections, one thread:
    by a short sweep (3 rates x 4 iterations, ranked by greedy accuracy on a validation draw:
    `learning`), then held-out accuracy before and after the curve's 20 iterations.
 
-    bash experiments/lora.sh            # 3 rounds of each part, then the learning runs (about 1.5 hours)
+    bash experiments/lora.sh            # 3 rounds of each part, then the learning runs (about 2 hours)
     QUICK=1 bash experiments/lora.sh    # 1 round, 2 versions, vLLM only, a small micro-batch, a toy sweep
     python experiments/lora.py --parts learning    # some parts (trimodel, push, iteration, learning)
     python experiments/lora.py --parts sweep       # the learning-rate sweep alone (an earlier final run kept)
@@ -79,10 +81,10 @@ def push_one(engine_name: str, mode: str, versions: int, path: str) -> dict:
                     if p.requires_grad:
                         p.add_((0.02 if lora else 1e-3) * torch.randn(p.shape, generator=gen))
             t0 = time.perf_counter()
-            if lora:
-                from peft import get_peft_model_state_dict
+            if lora:  # what the consumer pushes (Consumer.engine_state_dict)
+                from periodic_async.model import adapter_parameters
 
-                state = {n: t.detach().to("cpu", copy=True) for n, t in get_peft_model_state_dict(policy).items()}
+                state = {n: t.detach().to("cpu", copy=True) for n, t in adapter_parameters(policy).items()}
             else:
                 state = {n: t.detach() for n, t in policy.state_dict().items()}
             extract_s = time.perf_counter() - t0
@@ -128,8 +130,9 @@ def push_rounds(engines: list[str], rounds: int, versions: int, path: str) -> li
     for engine_name in engines:
         full, lora = runs[(engine_name, "full")], runs[(engine_name, "lora")]
         for mode, rs in (("full", full), ("lora", lora)):
-            total = [r["push_s"] + r["check_s"] for r in rs]
-            ratio = [(a["push_s"] + a["check_s"]) / (b["push_s"] + b["check_s"]) for a, b in zip(rs, full)]
+            barrier = lambda r: r["extract_s"] + r["push_s"] + r["check_s"]  # what the barrier waits for
+            total = [barrier(r) for r in rs]
+            ratio = [barrier(a) / barrier(b) for a, b in zip(rs, full)]
             rows.append({
                 "engine": engine_name, "mode": mode, "bytes": rs[0]["bytes"], "tensors": rs[0]["tensors"],
                 "bytes_vs_full": round(rs[0]["bytes"] / full[0]["bytes"], 4),

@@ -588,7 +588,7 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                       "micro_step_s_min micro_step_s_max micro_step_vs_full packed_tokens peak_rss_mib "
                       "peak_rss_vs_full rounds model lora_rank"),
     "lora_push": ("lora_push.csv", "experiments/lora.sh",
-                  "engine mode bytes bytes_vs_full tensors push_s check_s push_check_s push_check_s_min "
+                  "engine mode bytes bytes_vs_full tensors extract_s push_s check_s push_check_s push_check_s_min "
                   "push_check_s_max push_check_vs_full push_check_vs_full_min push_check_vs_full_max gen_tok_s "
                   "gen_vs_full max_gap rounds versions_per_round"),
     "lora_iteration": ("lora_iteration.csv", "experiments/lora.sh",

@@ -280,6 +280,10 @@ class Consumer:
         if self.lora:
             from peft import get_peft_model_state_dict
 
+            from periodic_async.model import adapter_parameters
+
+            if not self.ranks.lockstep and (params := adapter_parameters(self.policy)) is not None:
+                return {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
             adapter = {n: p.detach() for n, p in self.policy.named_parameters() if p.requires_grad}
             if self.ranks.lockstep:  # fsdp: a gather every rank joins
                 adapter = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in adapter.items()}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from pathlib import Path
 
 import torch
@@ -236,6 +237,23 @@ def merge_lora(policy, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             delta = module.scaling[adapter] * (b.to(wide) @ a.to(wide))
             out[f"{module_name}.weight"] = (w.to(wide) + delta.to(w.device)).to(w.dtype)
     return out
+
+
+_ADAPTER_PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter] | None:
+    """LoRA: name (as `peft.get_peft_model_state_dict` names it) -> the peft model's adapter
+    parameter, found once per model (the parameter objects outlive `.to()`), so that a push reads
+    and an engine writes the adapter without peft walking the whole model each time; None when
+    a tensor peft hands back is not a parameter's storage (a copy into it would not reach the model)."""
+    if model not in _ADAPTER_PARAMETERS:
+        from peft import get_peft_model_state_dict
+
+        own = {p.data_ptr(): p for p in model.parameters()}
+        params = {n: own.get(t.data_ptr()) for n, t in get_peft_model_state_dict(model).items()}
+        _ADAPTER_PARAMETERS[model] = params if all(p is not None for p in params.values()) else {}
+    return _ADAPTER_PARAMETERS[model] or None
 
 
 def is_lora(model: torch.nn.Module) -> bool:

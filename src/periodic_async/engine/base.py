@@ -16,7 +16,6 @@ off-policy trainer can use them as its old log-probs. Why un-truncated: see
 
 from __future__ import annotations
 
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -254,22 +253,6 @@ def check_adapter(state_dict: dict[str, torch.Tensor], spec: dict[str, tuple[int
                                "not a float tensor")
 
 
-_ADAPTER_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _adapter_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter] | None:
-    """name (as `peft.get_peft_model_state_dict` names it) -> the model's adapter parameter, found
-    once per model (the parameter objects outlive `.to()`); None when a tensor peft hands back is
-    not a parameter's storage (a copy into it would not reach the model)."""
-    if model not in _ADAPTER_PARAMS:
-        from peft import get_peft_model_state_dict
-
-        own = {p.data_ptr(): p for p in model.parameters()}
-        params = {n: own.get(t.data_ptr()) for n, t in get_peft_model_state_dict(model).items()}
-        _ADAPTER_PARAMS[model] = params if all(p is not None for p in params.values()) else {}
-    return _ADAPTER_PARAMS[model] or None
-
-
 @torch.no_grad()
 def load_adapter(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
                  spec: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -280,8 +263,10 @@ def load_adapter(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
     `peft.set_peft_model_state_dict`, which walks the whole model's state dict at every push. The
     adapter stays unmerged: the model computes base(x) + scale * B(A(x)) as the trainer's
     PeftModel does."""
+    from periodic_async.model import adapter_parameters
+
     check_adapter(state_dict, adapter_spec(model) if spec is None else spec)
-    params = _adapter_params(model)
+    params = adapter_parameters(model)
     if params is None:  # peft's own loader (a peft version whose state dict is not views)
         from peft import set_peft_model_state_dict
 
