@@ -268,15 +268,16 @@ def is_lora(model: torch.nn.Module) -> bool:
 def eval_mode(model: torch.nn.Module):
     """`model` in eval mode inside the block, each module's own mode restored after it. Only the
     modules in training mode are switched: a model already in eval mode costs nothing, where
-    `model.eval()` and `model.train()` walk every module (LoRA's peft layers add some 2,000)."""
+    `model.eval()` and `model.train()` walk every module (LoRA's peft layers add some 2,000). The
+    flag is set as the plain attribute it is, past `Module.__setattr__`'s parameter and buffer checks."""
     training = [m for m in model.modules() if m.training]
     for m in training:
-        m.training = False
+        object.__setattr__(m, "training", False)
     try:
         yield model
     finally:
         for m in training:
-            m.training = True
+            object.__setattr__(m, "training", True)
 
 
 def num_parameters(model: torch.nn.Module) -> int:
