@@ -204,7 +204,9 @@ def _lora_verdict(rows):
            [(f"{differ} samples off sync-separated's", "precision")] if differ else []) \
         + ([("its push bytes", "layout")] if not push or any(float(r["bytes_vs_full"]) > LORA_BYTES for r in push)
            else []) \
-        + [(f"{X2(float(r['push_check_vs_full']) - 1)} of full's push + check ({r['engine']})",
+        + [(f"{float(r['push_check_vs_full']) - 1:.3f}x of full's push + check ({r['engine']}: "
+            f"{float(r['push_check_vs_full']):.3f}x, rounds {X2(r['push_check_vs_full_min'])}-"
+            f"{X2(r['push_check_vs_full_max'])})",
             "CPU: the check's two forwards through the unmerged adapter")
            for r in push if float(r["push_check_vs_full"]) > 1] \
         + ([("the learning run", "not measured")] if not final else
