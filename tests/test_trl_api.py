@@ -548,8 +548,8 @@ def test_advantages_and_loss_match_trl(tmp_path, model_dir, case, monkeypatch):
 # test_trl_script_with_peft_config_saves_the_adapter)
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_trl_quickstart_script_on_smollm2(tmp_path, lora):
-    """examples/trl_grpo.py, a script in TRL's shape, trains two steps on SmolLM2-135M-Instruct
-    with its import line switched to TRL's and back (the same file, one line changed); with
+    """examples/trl_grpo.py, a script in TRL's shape whose one import line names us, trains two
+    steps on SmolLM2-135M-Instruct through vLLM; with
     --lora (peft_config=LoraConfig(...)) it saves the adapter, which PeftModel loads on the base and
     which moved from its start (lora_B starts at zero)."""
     model = ROOT / "artifacts" / "smollm2-135m-instruct"
