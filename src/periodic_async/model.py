@@ -246,13 +246,17 @@ def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter] 
     """LoRA: name (as `peft.get_peft_model_state_dict` names it) -> the peft model's adapter
     parameter, found once per model (the parameter objects outlive `.to()`), so that a push reads
     and an engine writes the adapter without peft walking the whole model each time; None when
-    a tensor peft hands back is not a parameter's storage (a copy into it would not reach the model)."""
+    a tensor peft hands back is not a parameter's storage (a copy into it would not reach the model)
+    or storages cannot tell parameters apart (a model on the meta device: every address is 0)."""
     if model not in _ADAPTER_PARAMETERS:
         from peft import get_peft_model_state_dict
 
         own = {p.data_ptr(): p for p in model.parameters()}
-        params = {n: own.get(t.data_ptr()) for n, t in get_peft_model_state_dict(model).items()}
-        _ADAPTER_PARAMETERS[model] = params if all(p is not None for p in params.values()) else {}
+        state = get_peft_model_state_dict(model)
+        params = {n: own.get(t.data_ptr()) for n, t in state.items()}
+        found = len(own) == sum(1 for _ in model.parameters()) and all(
+            p is not None and p.shape == state[n].shape for n, p in params.items())
+        _ADAPTER_PARAMETERS[model] = params if found else {}
     return _ADAPTER_PARAMETERS[model] or None
 
 

@@ -221,7 +221,10 @@ def adapter_spec(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     `peft.get_peft_model_state_dict` names it (what the trainer pushes with model.lora.enabled)."""
     from peft import get_peft_model_state_dict
 
-    return {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}
+    from periodic_async.model import adapter_parameters
+
+    params = adapter_parameters(model) or get_peft_model_state_dict(model)  # the first: found once per model
+    return {k: tuple(v.shape) for k, v in params.items()}
 
 
 def _names(names, k: int = 3) -> str:
