@@ -383,7 +383,10 @@ def main() -> None:
     ap.add_argument("--results", default="results", help="the directory of the CSVs")
     ap.add_argument("docs", nargs="*", default=DOCS, help="the documents to fill (default: all)")
     args = ap.parse_args()
-    claims.write(Path(args.results))
+    try:
+        claims.write(Path(args.results))
+    except Exception as e:  # noqa: BLE001 (one line naming what failed)
+        raise SystemExit(f"update_readme: {args.results}/claims.csv: {type(e).__name__}: {e}") from e
     used: set[str] = set()
     for doc in args.docs:
         render(Path(doc), Path(args.results), used)
