@@ -31,7 +31,6 @@ from periodic_async.bench import analysis, claims
 
 DOCS = ["README.md", "docs/results.md", "docs/reproduce.md", "docs/gpu.md", "docs/scaling.md", "docs/usage.md",
         "docs/trl.md"]
-SLOWEST = 10  # how many of the slowest default tests docs/reproduce.md lists
 
 # --- values: (file, row, column, format), the row named in the marker
 CSVS = {  # prefix -> (CSV under results/, the columns whose values, '/'-joined, name a row)
@@ -260,55 +259,26 @@ def gpu_status(results: Path) -> str:
 
 def vllm_speed(results: Path) -> str:
     """vLLM's generation speed over the built-in engine, per model: the range over engine.csv's rows."""
-    ratios: dict[str, list[float]] = {}
-    for r in analysis.read_results(results, "engine.csv"):
-        ratios.setdefault(r["model"], []).append(float(r["vllm_vs_builtin"]))
-    return ", ".join(f"{'-'.join(sorted({f'{min(v):.1f}', f'{max(v):.1f}'}, key=float))}x the built-in engine on {m}"
-                     for m, v in ratios.items()) + f" (`{results}/engine.csv`)"
+    return ", ".join(f"{'-'.join(sorted({f'{x:.1f}' for x in r['vllm_vs_builtin']}, key=float))}x the built-in "
+                     f"engine on {r['key']}" for r in analysis.summary(results, "engine_speed")) + \
+        f" (`{results}/engine.csv`)"
 
 
-def weight_sync(results: Path) -> str:
-    """weight_sync_collective.csv as one row per preset: object store against collective."""
-    rows = analysis.read_results(results, "weight_sync_collective.csv")
-    s = lambda v: f"{float(v):.2g}" if float(v) < 0.01 else f"{float(v):.3f}" if float(v) < 0.1 else f"{float(v):.2f}"
-    by, body = {(r["preset"], r["path"]): r for r in rows}, []
-    for preset in dict.fromkeys(r["preset"] for r in rows):
-        store, coll = by[(preset, "object_store")], by[(preset, "collective")]
-        mb = float(store["param_bytes"]) / 1e6
-        body.append([preset, f"{mb:.0f} MB" if mb >= 10 else f"{mb:.1f} MB",
-                     *(f"{s(r['median_s'])} ({s(r['min_s'])}-{s(r['max_s'])})" for r in (store, coll)),
-                     f"{float(coll['speedup_vs_object_store']):.2f}x"])
-    return _md(["preset", "weights", "object store", "collective", "ratio"], body)
+def summary_table(results: Path, name: str) -> str:
+    """A summary of bench/analysis.py that is a table already (its columns but `key`)."""
+    rows = [{k: v for k, v in r.items() if k != "key"} for r in analysis.summary(results, name)]
+    return _md(list(rows[0]), [list(r.values()) for r in rows])
 
 
-def test_cost_groups(results: Path) -> str:
-    """The default suite's time by what each test starts (test_costs.csv, scripts/test_costs.py)."""
-    rows = analysis.read_results(results, "test_costs.csv")
-    total, groups = sum(float(r["seconds"]) for r in rows), {}
-    for r in rows:
-        groups.setdefault(r["group"], []).append(float(r["seconds"]))
-    return _md(["what the test starts", "tests", "seconds", "share"],
-               [[name, len(s), f"{sum(s):.0f}", f"{sum(s) / total:.0%}"]
-                for name, s in sorted(groups.items(), key=lambda x: -sum(x[1]))])
-
-
-def test_cost_slowest(results: Path) -> str:
-    starts = ("ray", "engine_workers", "vllm_workers", "subprocess_cli", "subprocess_script", "subprocess_other")
-    return _md(["test", "seconds", "starts"], [[f"`{r['test']}`", f"{float(r['seconds']):.1f}", ", ".join(
-        f"{k}={r[k]}" for k in starts if r[k] != "0") or "-"] for r in
-        analysis.read_results(results, "test_costs.csv")[:SLOWEST]])
-
-
-def trl_fields(kind: str) -> str:
+def trl_fields(results: Path, kind: str) -> str:
     """docs/trl.md's tables of the TRL fields, from trl_api itself (the code is the one list)."""
     from periodic_async import trl_api
 
-    esc = lambda text: str(text).replace("|", "\\|")
     if kind == "ONLY_DEFAULT":
-        return _md(["TRL field", "the value", "why"], [[f"`{k}`", f"`{d!r}`", esc(v)]
+        return _md(["TRL field", "the value", "why"], [[f"`{k}`", f"`{d!r}`", str(v).replace("|", "\\|")]
                                                        for k, (d, v) in sorted(trl_api.ONLY_DEFAULT.items())])
     return _md(["TRL field", "here" if kind == "DEFAULTS_DIFFER" else "why"],
-               [[f"`{k}`", esc(v)] for k, v in sorted(getattr(trl_api, kind).items())])
+               [[f"`{k}`", str(v).replace("|", "\\|")] for k, v in sorted(getattr(trl_api, kind).items())])
 
 
 def times_table(results: Path) -> str:
@@ -337,11 +307,12 @@ def times_table(results: Path) -> str:
 BLOCKS = {  # marker -> the block's text from the results directory
     **{name: functools.partial(table_block, name=name) for name in TABLES},
     **{f"gpu_{name}": functools.partial(gpu_table, name=name) for name in GPU_TABLES},
-    **{f"trl_{kind.lower()}": functools.partial(lambda results, kind: trl_fields(kind), kind=kind)
+    **{f"trl_{kind.lower()}": functools.partial(trl_fields, kind=kind)
        for kind in ("NO_EFFECT", "ONLY_DEFAULT", "REFUSED", "DEFAULTS_DIFFER")},
     **{f"claim.{c.id}": functools.partial(claim_block, claim_id=c.id) for c in claims.CLAIMS},
+    **{name: functools.partial(summary_table, name=name)
+       for name in ("weight_sync_collective", "test_cost_groups", "test_cost_slowest")},
     "claims": claims_table, "gpu_goals": gpu_goals, "gpu_status": gpu_status, "vllm_speed": vllm_speed,
-    "weight_sync_collective": weight_sync, "test_cost_groups": test_cost_groups, "test_cost_slowest": test_cost_slowest,
     "run_all_times": times_table,
 }
 BLOCK = re.compile(r"<!-- results:([\w.-]+) -->(\n?).*?<!-- /results:\1 -->", flags=re.S)

@@ -468,6 +468,47 @@ def test_costs(rows: Rows) -> list[dict]:
     return [{**common(rows), "key": "", "tests": len(rows), "seconds": sum(_f(r["seconds"]) for r in rows)}]
 
 
+def weight_sync(rows: Rows) -> list[dict]:
+    """weight_sync_collective.csv as docs/scaling.md shows it, one row per preset (key): its weights
+    and the seconds of a push through the object store and through the collective (median, min-max)."""
+    def s(v: Any) -> str:
+        return f"{_f(v):.2g}" if _f(v) < 0.01 else f"{_f(v):.3f}" if _f(v) < 0.1 else f"{_f(v):.2f}"
+
+    by, out = {(r["preset"], r["path"]): r for r in rows}, []
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        store, coll = by[(preset, "object_store")], by[(preset, "collective")]
+        mb = _f(store["param_bytes"]) / 1e6
+        out.append({"key": preset, "preset": preset, "weights": f"{mb:.0f} MB" if mb >= 10 else f"{mb:.1f} MB",
+                    **{name: f"{s(r['median_s'])} ({s(r['min_s'])}-{s(r['max_s'])})"
+                       for name, r in (("object store", store), ("collective", coll))},
+                    "ratio": f"{_f(coll['speedup_vs_object_store']):.2f}x"})
+    return out
+
+
+def test_cost_groups(rows: Rows) -> list[dict]:
+    """The default suite's time (test_costs.csv) by what each test starts (key), longest first."""
+    total, groups = sum(_f(r["seconds"]) for r in rows), {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(_f(r["seconds"]))
+    return [{"key": name, "what the test starts": name, "tests": len(s), "seconds": f"{sum(s):.0f}",
+             "share": f"{sum(s) / total:.0%}"} for name, s in sorted(groups.items(), key=lambda x: -sum(x[1]))]
+
+
+def slowest_tests(rows: Rows, n: int = 10) -> list[dict]:
+    """The `n` slowest default tests (test_costs.csv lists them slowest first) and what each starts."""
+    starts = ("ray", "engine_workers", "vllm_workers", "subprocess_cli", "subprocess_script", "subprocess_other")
+    return [{"key": r["test"], "test": f"`{r['test']}`", "seconds": f"{_f(r['seconds']):.1f}",
+             "starts": ", ".join(f"{k}={r[k]}" for k in starts if r[k] != "0") or "-"} for r in rows[:n]]
+
+
+def engine_speed(rows: Rows) -> list[dict]:
+    """vLLM's generation speed over the built-in engine per model (key): the range over engine.csv's rows."""
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        ratios.setdefault(r["model"], []).append(_f(r["vllm_vs_builtin"]))
+    return [{"key": m, "vllm_vs_builtin": (min(v), max(v))} for m, v in ratios.items()]
+
+
 SUMMARIES: dict[str, tuple[Callable[..., list[dict]], tuple[tuple[str, ...], ...]]] = {
     # name -> (the summary, the CSVs (globs) under results/ each of its arguments reads)
     "table2": (table2, (("table2_throughput.csv",),)),
@@ -492,6 +533,10 @@ SUMMARIES: dict[str, tuple[Callable[..., list[dict]], tuple[tuple[str, ...], ...
     "soak": (soak, (("soak_summary.csv",), ("soak.csv",))),
     "tc": (test_costs, (("test_costs.csv",),)),
     "tcb": (test_costs, (("test_costs_busy.csv",),)),
+    "weight_sync_collective": (weight_sync, (("weight_sync_collective.csv",),)),
+    "test_cost_groups": (test_cost_groups, (("test_costs.csv",),)),
+    "test_cost_slowest": (slowest_tests, (("test_costs.csv",),)),
+    "engine_speed": (engine_speed, (("engine.csv",),)),
 }
 """Every summary of the committed results, by the name the documents' markers start with."""
 
