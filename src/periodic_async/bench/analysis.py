@@ -9,13 +9,26 @@ evaluation records and phase times, shared by experiments/*.py and tested in tes
     max_abs_diff          the largest gap between two curves
     paired_gain_stderr    the standard error of an accuracy gain on the same held-out problems
     memory_growth         per process, the least-squares slope of resident memory over iterations
+
+and, below them, what the documents and the claims (bench/claims.py) quote from the committed
+results/*.csv: each function summarises the rows of one experiment's CSVs into a small table, a
+list of rows each with a `key` (the row the documents name: 'periodic-async' as 'pa', a case, a
+setting; '' for numbers of the whole run). Cells are numbers or text, a tuple (lo, hi) for a range
+and a list for one value per row; `python scripts/update_readme.py` formats them. A summary raises
+on rows it cannot read (a missing column, no periodic-async row): never a silent blank.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import re
+import statistics
+from collections import Counter
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
+from periodic_async.bench.tables import read_csv
 from periodic_async.trace import read_jsonl
 
 
@@ -149,3 +162,386 @@ def memory_growth(samples: list[dict], warmup: int) -> list[dict]:
                     "rss_last_mib": pts[-1][1],
                     "rss_slope_mib_per_100_iterations": round(slope_per_100(fitted), 2) if len(fitted) >= 3 else ""})
     return out
+
+
+# --- the committed results, summarised (the documents' numbers and the claims' inputs) ------------
+
+Rows = Sequence[dict[str, Any]]
+SHORT = {"periodic-async": "pa", "sync-separated": "sep", "sync-colocated": "col", "async-offpolicy": "off"}
+"""The documents' short names of the modes, the keys of the mode rows below."""
+GPU_SHAPE = ("4096", "16", "256")
+"""P, G, R of the GPU check's long-prompt attention goal (bench/claims.py)."""
+
+
+def _f(v: Any) -> float:
+    return float(v)
+
+
+def read_results(results: Path, *patterns: str) -> list[dict]:
+    """The rows of every CSV under `results` matching `patterns` (globs, in order), each tagged with
+    its `_file`; a non-CSV file is one row holding its `text`. Raises FileNotFoundError when none matches."""
+    paths = [p for pattern in patterns for p in sorted(Path(results).glob(pattern))]
+    if not paths:
+        raise FileNotFoundError(f"{results}/{patterns[0]}: not found (its experiment has not run)")
+    rows: list[dict] = []
+    for p in paths:
+        tag = {"_file": str(p.relative_to(results))}
+        if p.suffix != ".csv":
+            rows.append({**tag, "text": p.read_text()})
+            continue
+        rows += [{**r, **tag} for r in read_csv(p)]
+    return rows
+
+
+def common(rows: Rows) -> dict[str, Any]:
+    """The columns whose value every row shares (a run's commit, machine, rounds)."""
+    return {k: v for k, v in rows[0].items() if k != "_file" and all(r.get(k) == v for r in rows)} if rows else {}
+
+
+def machines(rows: Rows) -> str:
+    """The CPUs the rows were measured on ('; '-joined), or 'not recorded' (a CSV from before the `cpu` column)."""
+    return "; ".join(sorted({r["cpu"] for r in rows if r.get("cpu")})) or "not recorded"
+
+
+def mode_row(rows: Rows, mode: str) -> dict:
+    """The one row of `mode`; a clear error when the CSV has none."""
+    found = [r for r in rows if r.get("mode") == mode]
+    if len(found) != 1:
+        where = rows[0].get("_file", "the rows") if rows else "no rows"
+        raise ValueError(f"{len(found)} rows of mode {mode} in {where}")
+    return found[0]
+
+
+def table2(rows: Rows) -> list[dict]:
+    """Table 2 (table2_throughput.csv): periodic-async with the shared prompt per setting (key: the
+    setting); key '': the machines, measured iterations, and its speedups over
+    sync-colocated (a list over the settings)."""
+    best = [r for r in rows if r["system"] == "periodic-async" and r["shared_prompt"] == "True"]
+    out = [{**r, "key": r["setting"]} for r in best]
+    return out + [{"key": "", "cpu": machines(best),
+                   "measured_iterations": sorted({r["measured_iterations"] for r in best} - {""}),
+                   "vs_colocated": [r["speedup_vs_sync_colocated"] for r in best if r["speedup_vs_sync_colocated"]]}]
+
+
+def async_run(main: Rows, phases: Rows) -> list[dict]:
+    """One asynchrony run (async_speedup*.csv and its _phases.csv): per mode (key pa/sep/col) its row
+    with its phase times beside it; periodic-async's share of the bound over the
+    phases as they ran overlapped (`of_overlapped`); key '': how much slower each phase ran beside the
+    other than alone (`generate_slower`, `train_slower`, `train_thread_cpu_slower`: +0.1 is 10%)."""
+    by = {r["mode"]: r for r in phases}
+    out = [{**by.get(r["mode"], {}), **r, "key": SHORT[r["mode"]]} for r in main]
+    pa = next(r for r in out if r["key"] == "pa")
+    if pa.get("bound_overlapped"):
+        pa["of_overlapped"] = _f(pa["speedup_vs_sync_separated"]) / _f(pa["bound_overlapped"])
+    alone, both = mode_row(phases, "sync-separated"), mode_row(phases, "periodic-async")
+    slower = {f"{p}_slower": _f(both[f"mean_{p}_s"]) / _f(alone[f"mean_{p}_s"]) - 1
+              for p in ("generate", "train", "train_thread_cpu") if alone.get(f"mean_{p}_s")}
+    return out + [{"key": "", **slower}]
+
+
+def over_runs(rows: Rows) -> list[dict]:
+    """Several runs of one asynchrony workload (rows tagged by `_file`): per mode (key pa/sep/col)
+    the median over the runs of each ratio, with `<ratio>_range` the lowest and highest run; key '': `count`."""
+    out = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        row: dict[str, Any] = {"key": SHORT[mode]}
+        for c in ("speedup_vs_sync_separated", "efficiency", "bound", "speedup_vs_sync_colocated"):
+            values = [_f(r[c]) for r in rows if r["mode"] == mode]
+            row |= {c: statistics.median(values), f"{c}_range": (min(values), max(values))}
+        out.append(row)
+    return out + [{"key": "", "count": len({r["_file"] for r in rows})}]
+
+
+def contention(rows: Rows) -> list[dict]:
+    """The two phases as bare processes (phase_contention.csv), per model (key): the speed each keeps
+    pinned apart (`trainer`, `engine`: of its speed alone) and the change in the trainer's CPU time per
+    step when it waits before each step (`waits`)."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        get = {(r["case"], r["process"]): r for r in rows if r["model"] == model}
+        out.append({"key": model, "trainer": get[("pinned", "trainer")]["vs_alone"],
+                    "engine": get[("pinned", "engine")]["vs_alone"],
+                    "waits": _f(get[("trainer_waits", "trainer")]["step_cpu_ms"])
+                    / _f(get[("alone", "trainer")]["step_cpu_ms"]) - 1})
+    return out
+
+
+def shared_prompt(rows: Rows) -> list[dict]:
+    """Shared-prompt attention alone (shared_prompt.csv, its split back-end): key 'top' the shape of
+    the largest speed-up; key '': the share of the token bound kept (`efficiency`, a range) and `shapes`."""
+    split = [r for r in rows if r["backend"] == "split"] or list(rows)
+    top, efficiency = max(split, key=lambda r: _f(r["speedup"])), [_f(r["efficiency"]) for r in split]
+    return [{**top, "key": "top"},
+            {"key": "", "efficiency": (min(efficiency), max(efficiency)), "shapes": len(split)}]
+
+
+def gpu_check(rows: Rows) -> list[dict]:
+    """The GPU check (results/gpu/*.csv and gpu_check.log, rows tagged by `_file`): key '' the card,
+    commit, versions, the check's seconds, correctness checks passed and failed (`failed_checks`:
+    check (model) of each failure), rows skipped per file, and the attention at GPU_SHAPE (`token_bound`,
+    `repeats`); keys 'flex' and 'split': that back-end's speed-up at GPU_SHAPE and its share of the
+    token bound; key 'mfu': the trainer's best row on the 1.5B architecture."""
+    def of(name: str) -> list[dict]:
+        return [r for r in rows if Path(r["_file"]).name == name]
+
+    def ok(r: dict) -> bool:
+        return r.get("status", "").startswith("ok")
+
+    correctness, log = of("correctness.csv"), of("gpu_check.log")
+    at_shape = [{**r, "key": r["backend"], "of_bound": _f(r["speedup_vs_per_response"]) / _f(r["token_bound"])}
+                for r in of("attention.csv") if ok(r) and (r["P"], r["G"], r["R"]) == GPU_SHAPE
+                and r.get("speedup_vs_per_response")]
+    failed = [r for r in correctness if r["status"].startswith("FAILED")]
+    repeats = sorted({int(r["repeats"]) for r in of("attention.csv")
+                      if ok(r) and (r["P"], r["G"], r["R"]) == GPU_SHAPE})
+    first = correctness[0]
+    whole = {"key": "", **{k: first[k] for k in ("gpu", "memory_gb", "torch", "cuda", "src_sha", "commit")},
+             "seconds": int(re.search(r"== results \((\d+)s in all\)", log[0]["text"]).group(1)) if log else "",
+             "checks": len(correctness), "passed": sum(ok(r) for r in correctness), "failed": len(failed),
+             "failed_checks": [f"{r['check']} ({r['model']})" for r in failed],
+             "skipped": ", ".join(f"{Path(f).stem} {n}" for f, n in Counter(
+                 r["_file"] for r in rows if r.get("status", "").startswith("skipped")).items()) or "none",
+             "token_bound": at_shape[0]["token_bound"] if at_shape else "",
+             "repeats": " to ".join(dict.fromkeys(str(x) for x in (repeats[0], repeats[-1]))) if repeats else "",
+             "peak_tflops": of("trainer.csv")[0]["peak_tflops"]}
+    mfu = max((r for r in of("trainer.csv") if ok(r) and r["model"] == "qwen2.5-1.5b"), key=lambda r: _f(r["mfu"]))
+    return [whole, *at_shape, {**mfu, "key": "mfu"}]
+
+
+def gpu_attention(rows: Rows) -> list[dict]:
+    """The GPU check's attention.csv as docs/gpu.md shows it: per back-end and shape that ran, the
+    per-response and shared seconds, the speed-up and its share of the token bound."""
+    ok = [r for r in rows if r.get("status", "").startswith("ok")]
+    return [{"back-end": r["backend"], "P": r["P"], "R": r["R"], "token bound": r["token_bound"],
+             "per-response s": next((q["time_s"] for q in ok if (q["backend"], q["P"], q["R"], q["packing"])
+                                     == (r["backend"], r["P"], r["R"], "per_response")), ""),
+             "shared s": r["time_s"], "speed-up": f"{_f(r['speedup_vs_per_response']):.2f}x",
+             "of the bound": f"{_f(r['speedup_vs_per_response']) / _f(r['token_bound']):.2f}",
+             "peak GiB (shared)": r["peak_memory_gib"], "repeats": r["repeats"]}
+            for r in ok if r.get("speedup_vs_per_response")]
+
+
+def fig1(rows: Rows) -> list[dict]:
+    """Figure 1 (fig1_timeline.csv), per mode (key pa/sep): iterations that trained while generating
+    ('k/n'), the order the first was trained in, the mean iteration time `wall` and `iterations`."""
+    out = []
+    for mode in ("periodic-async", "sync-separated"):
+        its = [r for r in rows if r["mode"] == mode]
+        overlapping = sum(r["trains_while_generating"] == "True" for r in its)
+        out.append({"key": SHORT[mode], "trains": f"{overlapping}/{len(its)}", "overlapping": overlapping,
+                    "order": its[0]["trained_order"], "wall": statistics.fmean(_f(r["wall_s"]) for r in its),
+                    "iterations": len(its)})
+    return out
+
+
+def reward_curves(summary: Rows, curves: Rows = (), n: int = 10) -> list[dict]:
+    """A reward-curve run (its _summary.csv, and its per-iteration curves): per mode (key sync/pa/off)
+    its summary row, `wall_min`, `same` and `iterations` (of tokens_identical_iterations), and from the
+    curves the mean training reward over the first and last `n` trained iterations, `trained`, the
+    importance ratio's mean deviation from 1 and clipped share (mean and `_peak`); the off-policy mode's
+    accuracy `lost` against sync and the iteration its reward `leaves` sync's; key '': the machines."""
+    keys = {"sync-separated": "sync", "periodic-async": "pa", "async-offpolicy": "off"}
+    out = []
+    for r in summary:
+        row = {**r, "key": keys[r["mode"]], "wall_min": _f(r["wall_s"]) / 60 if r.get("wall_s") else ""}
+        if r.get("tokens_identical_iterations"):
+            row["same"], row["iterations"] = r["tokens_identical_iterations"].split("/")
+        trained = [c for c in curves if c["mode"] == r["mode"] and c["reward_mean"] not in ("", None)]
+        if trained:
+            row |= {"reward_first": statistics.fmean(_f(c["reward_mean"]) for c in trained[:n]),
+                    "reward_last": statistics.fmean(_f(c["reward_mean"]) for c in trained[-n:]),
+                    "trained": len(trained)}
+            for c in ("ratio_abs_dev", "clip_frac"):
+                values = [_f(x[c]) for x in trained if x[c] not in ("", None)]
+                row |= {c: statistics.fmean(values), f"{c}_peak": max(values)}
+        out.append(row)
+    sync = mode_row(summary, "sync-separated")
+    for row in out:
+        if row["key"] == "off":
+            row["lost"] = _f(sync["eval_accuracy_end"]) - _f(row["eval_accuracy_end"])
+            if curves:
+                ref = {c["iteration"]: c["reward_mean"] for c in curves if c["mode"] == "sync-separated"}
+                row["leaves"] = next(c["iteration"] for c in curves if c["mode"] == "async-offpolicy"
+                                     and c["reward_mean"] and c["reward_mean"] != ref.get(c["iteration"]))
+    return out + [{"key": "", "cpu": machines(summary)}]
+
+
+def equivalence(rows: Rows) -> list[dict]:
+    """On-policy equivalence (equivalence.csv) per case (key): samples identical to sync-separated's
+    ('k/n', and `differ`), the weights' largest gap, `iterations`, and where a case parts (`parts`:
+    the first iteration's identical fraction below 1, `parts_at`: that iteration; '' when it never does)."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        its = [r for r in rows if r["case"] == case]
+        same, total = sum(int(r["identical_samples"]) for r in its), sum(int(r["samples"]) for r in its)
+        parts = next((r for r in its if _f(r["identical_fraction"]) < 1), None)
+        out.append({"key": case, "identical": f"{same}/{total}", "same": same, "samples": total, "differ": total - same,
+                    "weights": max(_f(r["max_abs_weight_diff"]) for r in its), "iterations": len(its),
+                    "parts": parts["identical_fraction"] if parts else "",
+                    "parts_at": parts["iteration"] if parts else ""})
+    return out
+
+
+def shared_async(rows: Rows) -> list[dict]:
+    """Shared prompts and asynchrony together (shared_async*.csv, speed-ups over per-response
+    sync-separated): key '' the speed-up of the shared prompt alone, asynchrony alone, both, and the
+    product of the two alone; keys 'both' and 'async': those rows."""
+    def row(shared: str, mode: str) -> dict:
+        return next(r for r in rows if r["shared_prompt"] == shared and r["mode"] == mode)
+
+    both, asyn = row("True", "periodic-async"), row("False", "periodic-async")
+    return [{"key": "", "shared": row("True", "sync-separated")["speedup"], "async": asyn["speedup"],
+             "both": both["speedup"], "product": mode_row(rows, "product")["speedup"]},
+            {**both, "key": "both"}, {**asyn, "key": "async"}]
+
+
+def _tps(rows: Rows, devices: int) -> float:
+    return _f(next(r for r in rows if int(r["devices"]) == devices)["tokens_per_s"])
+
+
+def best_splits(rows: Rows, mode: str, device: str = "H100-SXM-80GB") -> list[dict]:
+    """The simulator's best split per size for `mode` on `device` (scaling_simulated.csv's predictions;
+    device 'measured': the device whose costs a GPU check measured), sorted by size."""
+    return sorted((r for r in rows if r["kind"] == "simulated" and r["section"] == "prediction" and r["best"] == "True"
+                   and r["mode"] == mode and (r["device_type"] == device or device == "measured"
+                                              and r["device_type"].endswith(" (measured)"))),
+                  key=lambda r: int(r["devices"]))
+
+
+def scaling(rows: Rows) -> list[dict]:
+    """The simulated scale-out (scaling_simulated.csv, example H100 costs): key '' periodic-async's sizes,
+    its gain from the smallest and from half the largest size to the largest (`gain`, `gain_half`) and
+    each as a share of linear (`linear`, `linear_half`), each mode's tokens/s per size (a list), the
+    calibration points and machines; per mode (key): tokens/s by size (column: the size); key 'error':
+    the simulator's relative error on the measured points; key 'measured': the same on the GPU check's
+    measured costs, with periodic-async over each synchronous mode at the smallest and largest size."""
+    modes = ("periodic-async", "sync-separated", "sync-colocated")
+    best = {m: best_splits(rows, m) for m in modes}
+    sizes = [int(r["devices"]) for r in best["periodic-async"]]
+    lo, hi = sizes[0], sizes[-1]
+    gain = {s: _tps(best["periodic-async"], hi) / _tps(best["periodic-async"], s) for s in (lo, hi // 2)}
+    points = [r for r in rows if r["section"] == "cpu-measured-point"]
+    out = [{"key": "", "sizes": sizes, "smallest": lo, "largest": hi, "half": hi // 2, "gain": gain[lo],
+            "linear": gain[lo] / (hi / lo), "gain_half": gain[hi // 2], "linear_half": gain[hi // 2] / 2,
+            "points": len(points), "cpu": machines(points), **{m: [r["tokens_per_s"] for r in best[m]] for m in modes}},
+           {"key": "error", **{f"{c}_{f.__name__}": f(_f(r[c]) for r in points)
+                               for c in ("rel_error", "rel_error_leave_out") for f in (min, max)}}]
+    out += [{"key": m, **{r["devices"]: r["tokens_per_s"] for r in best[m]}} for m in modes]
+    measured = {m: best_splits(rows, m, "measured") for m in modes}
+    if measured["periodic-async"]:
+        pa, ends = measured["periodic-async"], (int(measured["periodic-async"][0]["devices"]),
+                                                int(measured["periodic-async"][-1]["devices"]))
+        out.append({"key": "measured", "device": " and ".join(sorted({r["device_type"].removesuffix(" (measured)")
+                                                                      for m in modes for r in measured[m]})),
+                    "sizes": [int(r["devices"]) for r in pa], "periodic-async": [r["tokens_per_s"] for r in pa],
+                    **{f"vs_{SHORT[m]}": tuple(_tps(pa, d) / _tps(measured[m], d) for d in ends) for m in modes[1:]}})
+    return out
+
+
+def soak(summary: Rows, samples: Rows) -> list[dict]:
+    """The soak run (soak_summary.csv, soak.csv): key '' its iterations, wall time, requests re-sent
+    by the restarted worker and the trace's largest size; 'trainer' and 'workers': mean last RSS
+    (`rss`), the workers' RSS slope range (`slope`); 'trainer1'/'trainer2': the trainer's slope and
+    iterations per leg; 'fds': open descriptors between a leg's start and end (trainer, workers)."""
+    trainer = [r for r in summary if r["process"] == "trainer"]
+    workers = [r for r in summary if r["process"] != "trainer"]
+    slope = "rss_slope_mib_per_100_iterations"
+
+    def fds(is_trainer: bool) -> tuple[float, float]:
+        values = [_f(r["fds"]) for r in samples
+                  if r["fds"] and not r["event"] and (r["process"] == "trainer") == is_trainer]
+        return min(values), max(values)
+
+    resent = next(r["requests_resent"] for r in summary if r["restarted"] == "yes")
+    out = [{**common(summary), "key": "", "resent": resent, "trace": max(_f(r["trace_mib"] or 0) for r in samples)},
+           {"key": "trainer", "rss": statistics.fmean(_f(r["rss_last_mib"]) for r in trainer)},
+           {"key": "workers", "rss": statistics.fmean(_f(r["rss_last_mib"]) for r in workers),
+            "slope": (min(_f(r[slope]) for r in workers if r[slope]), max(_f(r[slope]) for r in workers if r[slope]))},
+           {"key": "fds", "trainer": fds(True), "workers": fds(False)}]
+    return out + [{"key": f"trainer{r['leg']}", "slope": r[slope], "iterations": (r["first_iteration"],
+                                                                                 r["last_iteration"])} for r in trainer]
+
+
+def test_costs(rows: Rows) -> list[dict]:
+    """The default suite's costs (test_costs*.csv): key '' the run's shared columns (commit, machine,
+    load, pytest arguments, wall time), `tests` and their summed `seconds`."""
+    return [{**common(rows), "key": "", "tests": len(rows), "seconds": sum(_f(r["seconds"]) for r in rows)}]
+
+
+def weight_sync(rows: Rows) -> list[dict]:
+    """weight_sync_collective.csv as docs/scaling.md shows it, one row per preset (key): its weights
+    and the seconds of a push through the object store and through the collective (median, min-max)."""
+    def s(v: Any) -> str:
+        return f"{_f(v):.2g}" if _f(v) < 0.01 else f"{_f(v):.3f}" if _f(v) < 0.1 else f"{_f(v):.2f}"
+
+    by, out = {(r["preset"], r["path"]): r for r in rows}, []
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        store, coll = by[(preset, "object_store")], by[(preset, "collective")]
+        mb = _f(store["param_bytes"]) / 1e6
+        out.append({"key": preset, "preset": preset, "weights": f"{mb:.0f} MB" if mb >= 10 else f"{mb:.1f} MB",
+                    **{name: f"{s(r['median_s'])} ({s(r['min_s'])}-{s(r['max_s'])})"
+                       for name, r in (("object store", store), ("collective", coll))},
+                    "ratio": f"{_f(coll['speedup_vs_object_store']):.2f}x"})
+    return out
+
+
+def test_cost_groups(rows: Rows) -> list[dict]:
+    """The default suite's time (test_costs.csv) by what each test starts (key), longest first."""
+    total, groups = sum(_f(r["seconds"]) for r in rows), {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(_f(r["seconds"]))
+    return [{"key": name, "what the test starts": name, "tests": len(s), "seconds": f"{sum(s):.0f}",
+             "share": f"{sum(s) / total:.0%}"} for name, s in sorted(groups.items(), key=lambda x: -sum(x[1]))]
+
+
+def slowest_tests(rows: Rows, n: int = 10) -> list[dict]:
+    """The `n` slowest default tests (test_costs.csv lists them slowest first) and what each starts."""
+    starts = ("ray", "engine_workers", "vllm_workers", "subprocess_cli", "subprocess_script", "subprocess_other")
+    return [{"key": r["test"], "test": f"`{r['test']}`", "seconds": f"{_f(r['seconds']):.1f}",
+             "starts": ", ".join(f"{k}={r[k]}" for k in starts if r[k] != "0") or "-"} for r in rows[:n]]
+
+
+def engine_speed(rows: Rows) -> list[dict]:
+    """vLLM's generation speed over the built-in engine per model (key): the range over engine.csv's rows."""
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        ratios.setdefault(r["model"], []).append(_f(r["vllm_vs_builtin"]))
+    return [{"key": m, "vllm_vs_builtin": (min(v), max(v))} for m, v in ratios.items()]
+
+
+SUMMARIES: dict[str, tuple[Callable[..., list[dict]], tuple[tuple[str, ...], ...]]] = {
+    # name -> (the summary, the CSVs (globs) under results/ each of its arguments reads)
+    "table2": (table2, (("table2_throughput.csv",),)),
+    "tuned": (async_run, (("async_speedup.csv",), ("async_speedup_phases.csv",))),
+    "bal": (async_run, (("async_speedup_balanced.csv",), ("async_speedup_balanced_phases.csv",))),
+    "real": (async_run, (("async_speedup_real.csv",), ("async_speedup_real_phases.csv",))),
+    "runs": (over_runs, (("async_speedup_balanced.csv", "async_speedup_balanced_run*/async_speedup_balanced.csv"),)),
+    "contention": (contention, (("phase_contention.csv",),)),
+    "shared": (shared_prompt, (("shared_prompt.csv",),)),
+    "gpu": (gpu_check, (("gpu/correctness.csv", "gpu/attention.csv", "gpu/trainer.csv", "gpu/engine.csv",
+                         "gpu/gpu_check.log"),)),
+    "fig1": (fig1, (("fig1_timeline.csv",),)),
+    "rc": (reward_curves, (("reward_curves_summary.csv",), ("reward_curves.csv",))),
+    "rc1": (reward_curves, (("reward_curves_seed1/reward_curves_summary.csv",),
+                            ("reward_curves_seed1/reward_curves.csv",))),
+    "rcr": (functools.partial(reward_curves, n=5), (("reward_curves_real_summary.csv",), ("reward_curves_real.csv",))),
+    "rct": (reward_curves, (("reward_curves_real_time_summary.csv",),)),
+    "eq": (equivalence, (("equivalence.csv",),)),
+    "sa": (shared_async, (("shared_async.csv",),)),
+    "sar": (shared_async, (("shared_async_real.csv",),)),
+    "sim": (scaling, (("scaling_simulated.csv",),)),
+    "soak": (soak, (("soak_summary.csv",), ("soak.csv",))),
+    "tc": (test_costs, (("test_costs.csv",),)),
+    "tcb": (test_costs, (("test_costs_busy.csv",),)),
+    "weight_sync_collective": (weight_sync, (("weight_sync_collective.csv",),)),
+    "test_cost_groups": (test_cost_groups, (("test_costs.csv",),)),
+    "test_cost_slowest": (slowest_tests, (("test_costs.csv",),)),
+    "engine_speed": (engine_speed, (("engine.csv",),)),
+}
+"""Every summary of the committed results, by the name the documents' markers start with."""
+
+
+def summary(results: Path, name: str) -> list[dict]:
+    """SUMMARIES[name] of the CSVs under `results`."""
+    fn, inputs = SUMMARIES[name]
+    return fn(*(read_results(results, *patterns) for patterns in inputs))
