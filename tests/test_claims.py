@@ -45,11 +45,13 @@ def _verdict(claim_id: str, results: Path) -> tuple[str, str]:
 
 
 def test_judge_reads_the_spread_before_calling_a_miss():
-    """At or above the target is met; below it with a spread reaching the target is within noise
-    (1.004x of a '<= 1x' goal whose rounds span 0.95-1.08x); below with the whole spread short is
-    missed by the gap, with its reason; a prediction says so."""
+    """At or above the target is met; a little below it (at most 5% of the target) with a spread
+    reaching the target is within noise (1.004x of a '<= 1x' goal whose rounds span 0.95-1.08x);
+    further below is missed by the gap, with its reason, whatever one round reached; a whole spread
+    short is missed; a prediction says so."""
     assert claims.judge(0.97, 0.96) == "**met**"
-    assert claims.judge(0.85, 0.96, (0.79, 1.02)) == "**within noise** (spread 0.79-1.02)"
+    assert claims.judge(0.93, 0.96, (0.79, 1.02)) == "**within noise** (spread 0.79-1.02)"
+    assert claims.judge(0.85, 0.96, (0.79, 1.02), reason="CPU") == "**missed** by 0.11 (CPU)"
     assert claims.judge(0.85, 0.96, (0.79, 0.95), reason="CPU") == "**missed** by 0.11 (CPU)"
     at_most = dict(higher=False, fmt="{:.2f}x", reason="CPU")
     assert claims.judge(1.004, 1.0, (0.95, 1.079), **at_most) == "**within noise** (spread 0.95x-1.08x)"
@@ -65,7 +67,9 @@ def test_table2_verdict_follows_its_worst_setting(tmp_path):
     _patch(t2, best, speedup_vs_trl=2.2, speedup_vs_trl_min=2.0, speedup_vs_trl_max=2.4)
     headline, verdict = _verdict("table2", results)
     assert verdict == "**missed** by 0.8x (CPU)" and headline.startswith("2.2x TRL (short-prompt")
-    _patch(t2, best, speedup_vs_trl_max=3.1)  # a round reached 3x
+    _patch(t2, best, speedup_vs_trl_max=3.1)  # a round reached 3x, the median far short: still missed
+    assert _verdict("table2", results)[1] == "**missed** by 0.8x (CPU)"
+    _patch(t2, best, speedup_vs_trl=2.9)  # a median within 5% of 3x, a round above it
     assert _verdict("table2", results)[1].startswith("**within noise**")
     for setting in ("short-prompt", "real-model", "long-prompt"):
         _patch(t2, {**best, "setting": setting}, speedup_vs_trl=3.2)
@@ -87,7 +91,8 @@ def test_asynchrony_is_judged_on_the_median_of_its_runs(tmp_path):
         return _verdict("async", results)
 
     assert verdict([0.99, 0.97, 0.70]) == ("0.97 of the bound (1.94x)", "**met**")  # one run missed
-    assert verdict([0.99, 0.85, 0.80])[1] == "**within noise** (spread 0.80-0.99)"
+    assert verdict([0.99, 0.93, 0.80])[1] == "**within noise** (spread 0.80-0.99)"
+    assert verdict([0.99, 0.85, 0.80])[1] == "**missed** by 0.11 (CPU)"  # one run reached it, the median did not
     assert verdict([0.90, 0.85, 0.80])[1] == "**missed** by 0.11 (CPU)"  # 2 -> 1.5 of 2 -> 1.7: contention
     assert verdict([0.90, 0.85, 0.80], overlapped=1.95)[1] == "**missed** by 0.11 (scale)"  # 2 -> 1.95 -> 1.7
 
@@ -99,8 +104,8 @@ def test_lora_within_noise_until_its_spread_misses(tmp_path):
            push_check_vs_full_max=1.079)
     assert _verdict("lora", results) == ("push+check 1.00x full's (built-in engine)",
                                          "**within noise** (spread 0.95x-1.08x)")
-    _patch(results / "lora_push.csv", local, push_check_vs_full_min=1.01)
-    assert _verdict("lora", results)[1] == "**missed** by 0.00x (CPU)"
+    _patch(results / "lora_push.csv", local, push_check_vs_full=1.03, push_check_vs_full_min=1.01)
+    assert _verdict("lora", results)[1] == "**missed** by 0.03x (CPU)"
     _patch(results / "lora_push.csv", local, push_check_vs_full=0.99)
     headline, verdict = _verdict("lora", results)
     assert verdict == "**met**" and headline.endswith("held-out points")  # every goal met: the learning
