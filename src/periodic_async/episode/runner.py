@@ -207,12 +207,12 @@ class EpisodeRunner:
                     ep.truncated = "max_turns"
                     return
                 env_messages, kind, named = self.format.feedback_messages(reply), "feedback", None
-                ep.feedback_turns += 1
             env_ids = ([] if ids[-1] == eos else [eos]) + self.format.env_ids(env_messages, named)
             if used + len(env_ids) >= lim.max_tokens:
                 ep.truncated = "token_budget"
                 return
             ep.turns.append(Turn(ENV, env_ids, [], "".join(m["content"] for m in env_messages), kind))
+            ep.feedback_turns += kind == "feedback"
             ep.messages += env_messages
             used += len(env_ids)
             turn = ep.num_turns
