@@ -147,8 +147,10 @@ def test_environment_tokens_get_zero_gradient(fp64):
     grads = {}
     for name, m_N in (("masked", mask_N), ("control", torch.ones_like(mask_N))):
         seen = {}
-        h1 = policy.get_output_embeddings().register_forward_hook(lambda mod, i, o: seen.update(logits=o) or o.retain_grad())
-        h2 = policy.get_input_embeddings().register_forward_hook(lambda mod, i, o: seen.update(emb=o) or o.retain_grad())
+        def keep(name):
+            return lambda mod, inputs, out: seen.update({name: out}) or out.retain_grad()
+        h1 = policy.get_output_embeddings().register_forward_hook(keep("logits"))
+        h2 = policy.get_input_embeddings().register_forward_hook(keep("emb"))
         try:
             logp_N = token_logprobs(policy, packed, backend="dense")
             (-(m_N * adv_N * logp_N).sum()).backward()
@@ -223,11 +225,13 @@ def caller(tokenizer_dir):
 
     policy, tok = load_policy(ModelConfig(name_or_path="qwen2-micro", tokenizer=str(tokenizer_dir), device="cpu"))
     fmt = PlainTextFormat(tok)
-    call = tok(format_call("calculator", {"expression": "3+4"}), add_special_tokens=False).input_ids + [tok.eos_token_id]
+    eos = [tok.eos_token_id]
+    call = tok(format_call("calculator", {"expression": "3+4"}), add_special_tokens=False).input_ids + eos
     prompts = [fmt.prompt_ids(QUESTION, e.schemas()) for e in
                (Environments(CalculatorEnv), Environments(tools=[add]), Environments(tools=[calculator]))]
-    answer = tok("<answer>7</answer>", add_special_tokens=False).input_ids + [tok.eos_token_id]
-    batch = [(p, call) for p in prompts] + [(prompts[0] + call + fmt.env_ids(fmt.answer_messages([("c", "7")])), answer)]
+    answer = tok("<answer>7</answer>", add_special_tokens=False).input_ids + eos
+    tool_turn = fmt.env_ids(fmt.answer_messages([("calculator", "7")]))
+    batch = [(p, call) for p in prompts] + [(prompts[0] + call + tool_turn, answer)]
     opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
     torch.manual_seed(0)
     for _ in range(60):

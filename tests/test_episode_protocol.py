@@ -151,7 +151,8 @@ def test_plain_call_format_round_trip(tokenizer):
     positional arguments fill the parameters in order."""
     fmt = PlainTextFormat(tokenizer)
     schemas = Environments(tools=[add]).schemas()
-    calls = [("add", {"a": 3, "b": -4}), ("search", {"query": 'say "hi"\n', "k": 2.5, "exact": True, "tags": [1, None]})]
+    calls = [("add", {"a": 3, "b": -4}),
+             ("search", {"query": 'say "hi"\n', "k": 2.5, "exact": True, "tags": [1, None]})]
     text = "Let me compute. " + " then ".join(format_call(n, a) for n, a in calls) + " done"
     message, parsed = fmt.parse(tokenizer(text).input_ids, [], schemas)
     assert [(c.name, c.arguments, c.error) for c in parsed] == [(n, a, None) for n, a in calls]
@@ -227,7 +228,8 @@ def test_template_format_uses_the_templates_tool_format(qwen_tokenizer):
     (bad,) = fmt.parse(broken, prompt, schemas)[1]
     assert bad.error.startswith("could not parse the tool call")
     env = fmt.env_ids(fmt.answer_messages([("add", "7")]), "add")
-    assert tok.decode(env) == "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(env) == ("\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n"
+                               "<|im_start|>assistant\n")
     full = tok.apply_chat_template(messages + [message, {"role": "tool", "name": "add", "content": "7"}], tools=schemas,
                                    add_generation_prompt=True, tokenize=True, return_dict=False)
     assert full[-len(env):] == env
