@@ -1,0 +1,28 @@
+"""Episodes: multi-turn rollouts in which the model calls tools and an environment answers.
+
+The room beside `reward/` and below the producer, built on TRL's protocol (`tools=`,
+`environment_factory`, `get_reward`, `max_tool_calling_iterations`); the engines are asked only to
+"continue from these ids". Its parts, in the order an episode meets them:
+
+    protocol.py   tools and environments as TRL defines them, checked; calls off the loop, timed
+    formats.py    tools in the prompt, tool calls parsed: the chat template's format or plain text
+    continuer.py  the engine-facing interface: await continuer(Request) -> RequestOutput
+    runner.py     G episodes of a group (and the groups of an iteration) run concurrently
+    record.py     the contract: `Episode` (ids, turns, loss mask, counts), `EpisodeLimits`
+    pack.py       a group of episodes as the trainer consumes it (shared prompt, loss mask)
+    envs.py       built-in environments: a calculator with a verifier, long-tailed latency
+
+The room exists; wiring it into the producer, the CLI and the TRL drop-in follows (docs/episodes.md).
+"""
+
+from periodic_async.episode.continuer import Continuer, StreamingContinuer, WaveContinuer
+from periodic_async.episode.formats import PlainTextFormat, TemplateFormat, ToolCall, format_call, make_format
+from periodic_async.episode.pack import EpisodeGroup, episode_group, loss_mask_N
+from periodic_async.episode.protocol import Environments, ProtocolError, tool_schema
+from periodic_async.episode.record import Episode, EpisodeError, EpisodeLimits, Turn
+from periodic_async.episode.runner import EpisodeRunner, GroupSpec, turn_seed
+
+__all__ = ["Continuer", "StreamingContinuer", "WaveContinuer", "PlainTextFormat", "TemplateFormat", "ToolCall",
+           "format_call", "make_format", "EpisodeGroup", "episode_group", "loss_mask_N", "Environments",
+           "ProtocolError", "tool_schema", "Episode", "EpisodeError", "EpisodeLimits", "Turn", "EpisodeRunner",
+           "GroupSpec", "turn_seed"]
