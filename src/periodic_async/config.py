@@ -571,9 +571,22 @@ class TrainerConfig:
     policy, old and ref whole; one gradient all-reduce per iteration) or 'fsdp' (FSDP2
     `fully_shard` of each decoder layer and the root, the same for policy, old and ref).
     Ignored in a single process."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing of the policy's forward: each decoder layer keeps only its input and
+    recomputes the rest in the backward (transformers' non-reentrant checkpointing). The same loss
+    and gradients, less activation memory, about one more forward of compute. TRL's
+    `gradient_checkpointing` (on by default there) sets it."""
+    logits_chunk_tokens: int = 0
+    """The trainer's log-probs over the vocabulary computed this many label tokens at a time, the LM
+    head fused with the log-softmax and recomputed in the backward (`shared_prompt.label_logprobs`),
+    so that a micro-step never holds the fp32 logits of all its labels (8k labels x Qwen's 152k
+    vocabulary are 5 GB). The same log-probs and gradients up to rounding. 0: all at once. Not
+    applied under trainer.parallel=fsdp (the root's forward computes the logits there)."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "trainer")
+        _check(self.logits_chunk_tokens >= 0, "trainer", "logits_chunk_tokens", self.logits_chunk_tokens,
+               "must be >= 0 (0: all labels at once)")
         _check(self.iterations >= 0, "trainer", "iterations", self.iterations, "must be >= 0")
         _check(self.threads >= 1, "trainer", "threads", self.threads, "must be >= 1")
         parse_cores(self.cpu_affinity, "trainer.cpu_affinity")
