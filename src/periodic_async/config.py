@@ -373,6 +373,12 @@ class EngineConfig:
     placement_timeout_s: float = 60.0
     """Ray backend: a worker whose bundle the cluster cannot place within this time fails at
     start-up with an EngineError naming the worker, the bundle and the cluster's resources."""
+    share_trainer_gpus: bool | None = None
+    """Ray backend on GPUs: whether engine workers may take a GPU that a trainer rank of this machine
+    uses (its model.device; under torchrun the local ranks' GPUs 0..LOCAL_WORLD_SIZE-1). None: only
+    in pipeline.mode=sync-colocated, where engines and trainer take turns. False: Ray started here
+    is shown only the other GPUs, and workers that need a GPU when none is left stop the run at
+    start-up (ConfigError). True: they share (a one-GPU machine; engine/ray_cluster.py)."""
 
     def __post_init__(self) -> None:
         if not self.ray_address:
@@ -668,6 +674,10 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.engine.share_trainer_gpus is None:  # engines and trainer take turns only when co-located
+            self.engine.share_trainer_gpus = self.pipeline.mode == "sync-colocated"
 
 
 @dataclass
