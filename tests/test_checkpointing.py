@@ -67,3 +67,28 @@ def test_checkpointing_lowers_the_peak_memory_of_a_micro_step(tokenizer):
         peak[on] = peak_bytes(lambda: tri.micro_step(inputs, acc))
     print(f"micro-step peak: {peak[False] / 2**20:.1f} MiB without checkpointing, {peak[True] / 2**20:.1f} MiB with")
     assert peak[True] < 0.5 * peak[False], peak
+
+
+def test_a_run_with_checkpointing_and_chunked_logits_follows_the_plain_run(tokenizer_dir, tmp_path):
+    """The trainer honours both settings (trainer.gradient_checkpointing, trainer.logits_chunk_tokens=5):
+    a 3-iteration periodic-async run (fp64, in-process engine, beta > 0) samples the same tokens as the
+    run without them and ends within 1e-10 of its weights."""
+    from helpers import by_prompt, checkpoint_weights, max_abs_diff, read_rollouts, tiny_run_config
+
+    from periodic_async.consumer import Consumer
+    from periodic_async.engine import make_engine
+    from periodic_async.model import load_policy
+    from periodic_async.pipeline import run
+
+    runs = {}
+    for name, extra in (("plain", {}), ("lean", {"trainer.gradient_checkpointing": True,
+                                                 "trainer.logits_chunk_tokens": 5})):
+        cfg = tiny_run_config(tmp_path / name, tokenizer_dir, **{"engine.backend": "local", **extra})
+        with make_engine(cfg.engine, cfg.model) as engine:
+            run(cfg, engine=engine)
+        runs[name] = (by_prompt(read_rollouts(cfg.trainer.output_dir)),
+                      checkpoint_weights(f"{cfg.trainer.output_dir}/checkpoint"))
+    assert runs["lean"][0] == runs["plain"][0] and len(runs["plain"][0]) == 3 * 6
+    assert max_abs_diff(runs["lean"][1], runs["plain"][1]) <= 1e-10
+    tri = Consumer(load_policy(cfg.model)[0], cfg).tri  # the last config: the settings reached the tri-model
+    assert tri.checkpointed and tri.logprob_kwargs["logits_chunk_tokens"] == 5
