@@ -8,7 +8,7 @@
 # Needs only torch (CUDA) and transformers in PYTHON; the few other dependencies it imports come
 # from the wheel folder WHEELS (installed into a temporary directory, and only those the machine
 # lacks). Ray, vLLM, W&B and TRL are optional: what needs them says "skipped: not installed".
-# Steps (src/periodic_async/bench/gpu_check.py; each a process with its own time limit, printed,
+# Steps (src/periodic_async/bench/gpu/, a module each; each a process with its own time limit, printed,
 # and a deadline inside it, so a failing or slow step never hides the others' rows):
 #   preflight    CUDA present (else exit 2 with one line), dependencies, environment
 #   correctness  OUT/correctness.csv  device run = CPU run; periodic-async = sync-separated on the
@@ -69,7 +69,7 @@ DEVICE="${GPU_CHECK_DEVICE:-cuda}"
 args=(--out "$OUT" --work "$WORK" --device "$DEVICE")
 [ "${GPU_CHECK_TOY:-0}" != 0 ] && args+=(--toy)
 if [ -n "${GPU_CHECK_ARGS:-}" ]; then read -r -a extra <<< "$GPU_CHECK_ARGS"; args+=("${extra[@]}"); fi
-check=("$PY" -m periodic_async.bench.gpu_check)
+check=("$PY" -m periodic_async.bench.gpu)
 
 # preflight: exit 2 without CUDA (its one line on stderr), 3 with a dependency missing
 timeout -k 5 40 "${check[@]}" preflight "${args[@]}" >> "$LOG" 2> "$WORK/preflight.err"
@@ -87,7 +87,7 @@ if [ "$DEVICE" != cpu ] && command -v nvidia-smi > /dev/null; then
 fi
 
 failed=()
-step() {  # step NAME LIMIT_S: one step of gpu_check.py, its deadline 15 s inside the limit
+step() {  # step NAME LIMIT_S: one step of bench/gpu, its deadline 15 s inside the limit
   local name=$1 limit=$2 start=$SECONDS
   log "== $name (limit ${limit}s)"
   timeout -k 10 "$limit" "${check[@]}" "$name" "${args[@]}" --budget-s $((limit - 15)) > "$WORK/$name.log" 2>&1

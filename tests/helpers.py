@@ -179,3 +179,31 @@ def max_gap(model, reqs, got: dict) -> float:
     prompts = {r.request_id: r.prompt_ids for r in reqs}
     return max(float(np.max(np.abs(np.array(lps) - trainer_logprobs(model, prompts[rid], toks))))
                for rid, ss in got.items() for toks, lps in ss)
+
+
+def groups(vocab: int, n: int = 2, G: int = 3, P: int = 6, R: tuple[int, int] = (2, 7), seed: int = 0) -> list:
+    """n `Group`s of G ragged responses (lengths in R, random tokens below `vocab`), advantages of varied sign."""
+    import random
+
+    from periodic_async import grpo
+    from periodic_async.group import Group
+
+    rng = random.Random(seed)
+    out = []
+    for b in range(n):
+        responses = [[rng.randrange(4, vocab) for _ in range(rng.randint(*R))] for _ in range(G)]
+        rewards = [rng.random() for _ in range(G)]
+        out.append(Group(b, 0, 0, [rng.randrange(4, vocab) for _ in range(P)], responses,
+                         [[-1.0] * len(r) for r in responses], rewards, grpo.group_advantages(rewards).tolist()))
+    return out
+
+
+def micro_steps(tri, inputs) -> tuple[dict, dict]:
+    """Loss sums and gradients of a `TriModel`'s micro-steps on `inputs` (accumulated, not normalised)."""
+    from periodic_async import grpo
+
+    acc = grpo.LossAccumulator.from_config(tri.cfg)
+    for mb in inputs:
+        tri.micro_step(mb, acc)
+    grads = {n: p.grad.detach().clone() for n, p in tri.policy.named_parameters() if p.grad is not None}
+    return {k: float(v) for k, v in acc.sums.items()}, grads

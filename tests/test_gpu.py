@@ -19,7 +19,8 @@ from helpers import by_prompt, checkpoint_weights, engine_samples, max_abs_diff,
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CUDA = {"model.device": "cuda", "engine.gpus_per_worker": 0.5}  # the two workers share the one GPU
+CUDA = {"model.device": "cuda", "engine.gpus_per_worker": 0.5,  # the two workers share the one GPU
+        "engine.share_trainer_gpus": True}  # with the trainer
 
 
 def _cfg(tmp, tokenizer_dir, mode: str, **extra):

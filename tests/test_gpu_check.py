@@ -1,7 +1,7 @@
 """The GPU check on a CPU: the code a GPU will run has run once (toy sizes), and what it needs.
 
 - the driver, `bash scripts/gpu_check.sh OUT`, refuses a machine without CUDA: exit 2, one line;
-- each step of periodic_async.bench.gpu_check runs at toy sizes on the CPU and writes its CSV
+- each step of periodic_async.bench.gpu runs at toy sizes on the CPU and writes its CSV
   with the provenance columns and the measurement columns the docs and the simulator read;
 - the Qwen2.5 architectures in the repository have the published sizes (0.49B, 1.54B);
 - scripts/gpu_wheels.sh lists exactly the project dependencies the check imports besides torch
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from periodic_async.bench import gpu_check
+from periodic_async.bench.gpu import common, models, preflight
+from periodic_async.bench.gpu.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PROVENANCE = ["commit", "src_sha", "gpu", "device", "memory_gb", "torch", "cuda", "toy"]
@@ -46,7 +47,7 @@ def toy_run(tmp_path_factory, tokenizer_dir):
 
     def run(step: str) -> tuple[Path, list[dict]]:
         if step not in done:
-            rc = gpu_check.main([step, "--out", str(out), "--work", str(work), *TOY_ARGS])
+            rc = main([step, "--out", str(out), "--work", str(work), *TOY_ARGS])
             done[step] = rc
         assert done[step] == 0, f"step {step} failed: see its rows in {out}/{step}.csv"
         return out, _rows(out / f"{step}.csv")
@@ -88,7 +89,7 @@ def test_correctness_step_on_cpu(toy_run):
 def test_attention_step_on_cpu(toy_run):
     """Both packings per shape and back-end; packed tokens as the layout says; the token bound."""
     _, rows = toy_run("attention")
-    sizes = gpu_check.TOY
+    sizes = common.TOY
     G = sizes.group
     ok = [r for r in rows if r["status"] == "ok"]
     assert len(ok) == 2 * 2 * len(sizes.attention_prompts) * len(sizes.attention_responses)  # split, dense
@@ -104,20 +105,20 @@ def test_attention_step_on_cpu(toy_run):
 def test_trainer_step_on_cpu(toy_run):
     """The tri-model micro-step's tokens/s and MFU, policy only and with the reference, per architecture."""
     _, rows = toy_run("trainer")
-    assert [(r["model"], r["models"]) for r in rows] == [(a, m) for a in gpu_check.TOY.archs
+    assert [(r["model"], r["models"]) for r in rows] == [(a, m) for a in common.TOY.archs
                                                          for m in ("policy", "policy+ref")]
     for r in rows:
         assert r["status"] == "ok"
         assert int(r["params"]) > int(r["body_params"]) > 0
         assert float(r["tokens_per_s"]) > 0 and float(r["mfu"]) > 0 and float(r["peak_tflops"]) == 1.0
-        P, G, R = gpu_check.TOY.trainer_group
+        P, G, R = common.TOY.trainer_group
         assert int(r["packed_tokens"]) == P + G * (R - 1) and int(r["labels"]) == G * R
 
 
 def test_engine_step_on_cpu(toy_run):
     """The built-in engine and HF generate at each slot count, every sample decoded to full length."""
     _, rows = toy_run("engine")
-    sizes = gpu_check.TOY
+    sizes = common.TOY
     assert {(r["engine"], int(r["slots"])) for r in rows} == {(e, s) for e in ("batcher", "hf_generate")
                                                                for s in sizes.engine_slots}
     for r in rows:
@@ -134,7 +135,7 @@ def test_architectures_have_the_published_sizes(tokenizer):
 
     for name, published in (("qwen2.5-0.5b", 0.49e9), ("qwen2.5-1.5b", 1.54e9)):
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(gpu_check.arch_config(name, tokenizer, toy=False))
+            model = AutoModelForCausalLM.from_config(models.arch_config(name, tokenizer, toy=False))
         assert round(num_parameters(model) / 1e7) == round(published / 1e7), (name, num_parameters(model))
         assert set(model.config.layer_types) == {"full_attention"}  # what shared-prompt packing needs
 
@@ -144,13 +145,13 @@ def test_wheel_list_is_what_the_check_needs_beyond_torch_and_transformers():
     and transformers (pyyaml, numpy, tokenizers, tqdm), with the module each provides."""
     listed = subprocess.run(["bash", "scripts/gpu_wheels.sh", "--list"], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.split()
-    names = {gpu_check._norm(x.split("==")[0]) for x in listed}
+    names = {preflight._norm(x.split("==")[0]) for x in listed}
     assert all("==" in x for x in listed), "pinned versions"
-    needed = {gpu_check._norm(d) for d in gpu_check.REQUIRED.values()} & gpu_check.project_dependencies()
+    needed = {preflight._norm(d) for d in preflight.REQUIRED.values()} & preflight.project_dependencies()
     assert names == needed - {"torch", "transformers"} == {"pyyaml", "numpy", "tokenizers", "tqdm"}
     pairs = subprocess.run(["bash", "scripts/gpu_wheels.sh", "--modules"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.splitlines()
-    assert {tuple(p.split()) for p in pairs} == {(d, m) for m, d in gpu_check.REQUIRED.items() if d in names}
+    assert {tuple(p.split()) for p in pairs} == {(d, m) for m, d in preflight.REQUIRED.items() if d in names}
 
 
 def test_simulator_takes_the_checks_costs(toy_run, tmp_path):
@@ -218,7 +219,7 @@ def test_driver_runs_every_step_at_toy_size_and_imports_only_the_wheels(tmp_path
     log = (out / "gpu_check.log").read_text()
     lines = [x for x in log.splitlines() if x.startswith("gpu_check imports:")]
     assert len(lines) == 5  # preflight and the four steps
-    wheels = {gpu_check._norm(x.split("==")[0]) for x in subprocess.run(
+    wheels = {preflight._norm(x.split("==")[0]) for x in subprocess.run(
         ["bash", "scripts/gpu_wheels.sh", "--list"], cwd=ROOT, capture_output=True, text=True).stdout.split()}
     loaded = set()
     for line in lines:

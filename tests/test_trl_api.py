@@ -66,8 +66,11 @@ def test_config_maps_trl_fields_to_the_run():
     # a field with no effect is kept (and printed by the trainer), also through dataclasses.replace
     import dataclasses
 
-    again = dataclasses.replace(GRPOConfig(logging_first_step=True, gradient_checkpointing=True), seed=1)
-    assert again.no_effect == {"logging_first_step": True, "gradient_checkpointing": True} and again.seed == 1
+    again = dataclasses.replace(GRPOConfig(logging_first_step=True, torch_empty_cache_steps=2), seed=1)
+    assert again.no_effect == {"logging_first_step": True, "torch_empty_cache_steps": 2} and again.seed == 1
+    # activation checkpointing is honoured, on by default as in TRL
+    assert GRPOConfig().run_config(8).trainer.gradient_checkpointing is True
+    assert GRPOConfig(gradient_checkpointing=False).run_config(8).trainer.gradient_checkpointing is False
 
 
 @pytest.mark.parametrize("kwargs, names", [

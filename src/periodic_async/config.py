@@ -373,6 +373,12 @@ class EngineConfig:
     placement_timeout_s: float = 60.0
     """Ray backend: a worker whose bundle the cluster cannot place within this time fails at
     start-up with an EngineError naming the worker, the bundle and the cluster's resources."""
+    share_trainer_gpus: bool | None = None
+    """Ray backend on GPUs: whether engine workers may take a GPU that a trainer rank of this machine
+    uses (its model.device; under torchrun the local ranks' GPUs 0..LOCAL_WORLD_SIZE-1). None: only
+    in pipeline.mode=sync-colocated, where engines and trainer take turns. False: Ray started here
+    is shown only the other GPUs, and workers that need a GPU when none is left stop the run at
+    start-up (ConfigError). True: they share (a one-GPU machine; engine/ray_cluster.py)."""
 
     def __post_init__(self) -> None:
         if not self.ray_address:
@@ -571,9 +577,22 @@ class TrainerConfig:
     policy, old and ref whole; one gradient all-reduce per iteration) or 'fsdp' (FSDP2
     `fully_shard` of each decoder layer and the root, the same for policy, old and ref).
     Ignored in a single process."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing of the policy's forward: each decoder layer keeps only its input and
+    recomputes the rest in the backward (transformers' non-reentrant checkpointing). The same loss
+    and gradients, less activation memory, about one more forward of compute. TRL's
+    `gradient_checkpointing` (on by default there) sets it."""
+    logits_chunk_tokens: int = 0
+    """The trainer's log-probs over the vocabulary computed this many label tokens at a time, the LM
+    head fused with the log-softmax and recomputed in the backward (`shared_prompt.label_logprobs`),
+    so that a micro-step never holds the fp32 logits of all its labels (8k labels x Qwen's 152k
+    vocabulary are 5 GB). The same log-probs and gradients up to rounding. 0: all at once. Not
+    applied under trainer.parallel=fsdp (the root's forward computes the logits there)."""
 
     def __post_init__(self) -> None:
         _check_choices(self, "trainer")
+        _check(self.logits_chunk_tokens >= 0, "trainer", "logits_chunk_tokens", self.logits_chunk_tokens,
+               "must be >= 0 (0: all labels at once)")
         _check(self.iterations >= 0, "trainer", "iterations", self.iterations, "must be >= 0")
         _check(self.threads >= 1, "trainer", "threads", self.threads, "must be >= 1")
         parse_cores(self.cpu_affinity, "trainer.cpu_affinity")
@@ -655,6 +674,10 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.engine.share_trainer_gpus is None:  # engines and trainer take turns only when co-located
+            self.engine.share_trainer_gpus = self.pipeline.mode == "sync-colocated"
 
 
 @dataclass

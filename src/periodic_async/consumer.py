@@ -112,9 +112,11 @@ class Consumer:
             policy.float()
         # Score the tempered distribution the engines sample from (engine/batcher.py:sample_next).
         self.tri = TriModel(policy, a, logprob_kwargs={"backend": a.attention_backend,
-                                                       "temperature": cfg.engine.temperature},
+                                                       "temperature": cfg.engine.temperature,
+                                                       "logits_chunk_tokens": cfg.trainer.logits_chunk_tokens},
                             old_from_behaviour=cfg.pipeline.mode == "async-offpolicy",
-                            autocast_dtype=self.model_dtype if half else None, layout=self.ranks.layout)
+                            autocast_dtype=self.model_dtype if half else None, layout=self.ranks.layout,
+                            gradient_checkpointing=cfg.trainer.gradient_checkpointing)
         self.optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=a.lr,
                                            weight_decay=a.weight_decay, betas=tuple(a.adam_betas), eps=a.adam_eps)
         self.scheduler = lr_scheduler(self.optimizer, a, cfg.trainer.iterations * a.optimizer_steps_per_iteration)

@@ -284,6 +284,27 @@ def eval_mode(model: torch.nn.Module):
             object.__setattr__(m, "training", True)
 
 
+def checkpoint_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Activation checkpointing (`trainer.gradient_checkpointing`) of a HF causal LM: transformers'
+    non-reentrant checkpointing of each decoder layer turned on (`activation_checkpointing_enable`
+    in transformers 5.2x, `gradient_checkpointing_enable` before). Returns the checkpointed layers:
+    transformers recomputes a layer in the backward only while the layer's own `training` flag is
+    set, which `TriModel` sets for the policy's forward alone (no module's dropout is switched)."""
+    import inspect
+
+    enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+        model, "gradient_checkpointing_enable", None)
+    if enable is None or not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"trainer.gradient_checkpointing=true: {type(model).__name__} does not support "
+                          "activation checkpointing")
+    if "gradient_checkpointing_kwargs" in inspect.signature(enable).parameters:
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        enable()
+    return [m for m in model.modules()
+            if getattr(m, "gradient_checkpointing", False) is True and not isinstance(m, PreTrainedModel)]
+
+
 def num_parameters(model: torch.nn.Module) -> int:
     """Unique parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Sequence, get_args
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from periodic_async.attention import ATTN_IMPLEMENTATION, flex_block_mask, split_plan
 from periodic_async.config import AttentionBackend
@@ -219,7 +220,7 @@ def causal_lm(model):
 
 
 def token_logprobs(model, batch: PackedBatch, with_entropy: bool = False, backend: str = "auto",
-                   temperature: float = 1.0):
+                   temperature: float = 1.0, logits_chunk_tokens: int = 0):
     """Per-label log-probs `logp_N` (and detached entropies `entropy_N`) of a HF causal LM,
     under the tempered distribution softmax(logits / temperature).
 
@@ -229,39 +230,78 @@ def token_logprobs(model, batch: PackedBatch, with_entropy: bool = False, backen
     scores at 1. The trained policy is the tempered softmax, un-truncated by top-k / top-p,
     exactly what the engines report as behaviour log-probs (see `engine.batcher.sample_next`
     for why truncation is left out); the entropy is that of the same distribution.
+    `logits_chunk_tokens` (`trainer.logits_chunk_tokens`): > 0 computes the LM head and the
+    log-softmax that many labels at a time (`label_logprobs`); 0 all at once.
     """
     global _flex_failed
     if temperature < 0:
         raise ValueError(f"token_logprobs: temperature={temperature} must be >= 0")
     model = causal_lm(model)
 
-    def label_logits(name):
+    def forward(name):
         kwargs = dict(input_ids=batch.input_ids_1xT, position_ids=batch.position_ids_1xT, use_cache=False,
                       **_attention_kwargs(model, batch, name))
         if _is_fsdp(model):  # FSDP2 gathers the root's weights (embeddings, tied lm_head) in its own forward only
-            return model(**kwargs, logits_to_keep=batch.pred_pos_N).logits[0]
+            if logits_chunk_tokens:
+                _warn_once("chunk-fsdp", "trainer.logits_chunk_tokens: not applied under trainer.parallel=fsdp "
+                                         "(the root's forward computes the logits of every label at once)")
+            logits_NxV = model(**kwargs, logits_to_keep=batch.pred_pos_N).logits[0]
+            return label_logprobs(torch.nn.Identity(), logits_NxV, batch.labels_N, temperature, with_entropy)
         h_NxD = model.base_model(**kwargs).last_hidden_state[0, batch.pred_pos_N]
-        return model.get_output_embeddings()(h_NxD)
+        return label_logprobs(model.get_output_embeddings(), h_NxD, batch.labels_N, temperature, with_entropy,
+                              logits_chunk_tokens)
 
     name = resolve_backend(backend, batch.input_ids_1xT.device)
     if name == "flex" and _flex_failed:
         name = "split"
     try:
-        logits_NxV = label_logits(name)
+        logp_N, entropy_N = forward(name)
     except Exception as err:  # FlexAttention compiles: a compiler failure must not stop training
         if name != "flex":
             raise
         _flex_failed = True
         _warn_once("flex-failed", f"FlexAttention failed ({type(err).__name__}: {str(err)[:200]}): using 'split'")
-        logits_NxV = label_logits("split")
+        logp_N, entropy_N = forward("split")
+    return (logp_N, entropy_N) if with_entropy else logp_N
+
+
+def _head_logprobs(head, h_NxD: torch.Tensor, labels_N: torch.Tensor, temperature: float, with_entropy: bool):
+    """(logp_N, entropy_N or None) of the labels: LM head, fp32 log-softmax over V, gather."""
+    logits_NxV = head(h_NxD)
     if logits_NxV.dtype in (torch.bfloat16, torch.float16):
         logits_NxV = logits_NxV.float()
     if temperature not in (0, 1):
         logits_NxV = logits_NxV / temperature
     logprobs_NxV = torch.log_softmax(logits_NxV, dim=-1)
-    logp_N = logprobs_NxV.gather(1, batch.labels_N[:, None])[:, 0]
+    logp_N = logprobs_NxV.gather(1, labels_N[:, None])[:, 0]
     if not with_entropy:
-        return logp_N
+        return logp_N, None
     with torch.no_grad():
-        entropy_N = -(logprobs_NxV.exp() * logprobs_NxV).sum(-1)
-    return logp_N, entropy_N
+        return logp_N, -(logprobs_NxV.exp() * logprobs_NxV).sum(-1)
+
+
+def label_logprobs(head, h_NxD: torch.Tensor, labels_N: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False, chunk_tokens: int = 0):
+    """(logp_N, entropy_N or None): the log-probs of `labels_N` under softmax(head(h_NxD) / temperature),
+    the LM head `head` applied to the hidden states `h_NxD` that predict them.
+
+    Chunked logits (`chunk_tokens` > 0, `trainer.logits_chunk_tokens`): the head, the log-softmax
+    and the gather run on `chunk_tokens` labels at a time, each chunk under `torch.utils.checkpoint`
+    (non-reentrant, autocast kept) when a gradient is wanted, so that neither the forward nor the
+    backward holds more than one chunk's N x V logits (the backward recomputes the chunk's logits:
+    one more LM-head matmul per label). Without a gradient (the old and ref forwards) the chunks
+    are simply computed in turn. Log-probs, entropies and gradients equal the unchunked ones up to
+    rounding (fp64: 1e-12, tests/test_chunked_logits.py)."""
+    N = labels_N.shape[0]
+    if chunk_tokens <= 0 or N <= chunk_tokens:
+        return _head_logprobs(head, h_NxD, labels_N, temperature, with_entropy)
+    grad = torch.is_grad_enabled() and (h_NxD.requires_grad or any(p.requires_grad for p in head.parameters()))
+    parts = []
+    for h_CxD, labels_C in zip(h_NxD.split(chunk_tokens), labels_N.split(chunk_tokens)):
+        if grad:
+            parts.append(checkpoint(_head_logprobs, head, h_CxD, labels_C, temperature, with_entropy,
+                                    use_reentrant=False))
+        else:
+            parts.append(_head_logprobs(head, h_CxD, labels_C, temperature, with_entropy))
+    logp_N = torch.cat([logp for logp, _ in parts])
+    return logp_N, torch.cat([ent for _, ent in parts]) if with_entropy else None

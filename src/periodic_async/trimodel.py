@@ -60,7 +60,7 @@ from typing import Callable
 import torch
 
 from periodic_async import grpo
-from periodic_async.model import is_lora
+from periodic_async.model import checkpoint_layers, is_lora
 from periodic_async.shared_prompt import PackedBatch, token_logprobs
 
 
@@ -111,11 +111,15 @@ class TriModel:
          its state) must then be float32; the three forwards run under `torch.autocast` in
          that dtype, the log-softmax in float32. float16 adds dynamic loss scaling
          (`torch.amp.GradScaler`): its gradients would otherwise underflow.
+    gradient_checkpointing: the policy's decoder layers keep only their inputs in the forward and
+         recompute the rest in the backward (`model.checkpoint_layers`; `trainer.gradient_checkpointing`):
+         the same loss and gradients, less activation memory, about one more forward of compute.
     """
 
     def __init__(self, policy: torch.nn.Module, cfg, logprob_kwargs: dict | None = None,
                  old_from_behaviour: bool = False, autocast_dtype: torch.dtype | None = None,
-                 layout: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+                 layout: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+                 gradient_checkpointing: bool = False):
         self.policy, self.cfg = policy, cfg
         if autocast_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"TriModel: autocast_dtype={autocast_dtype}: expected None, bfloat16 or float16")
@@ -123,6 +127,8 @@ class TriModel:
         self.lm = policy.get_base_model() if self.lora else policy
         """The HF causal LM the log-probs are computed on (with LoRA: the one inside the PeftModel,
         its adapters injected)."""
+        self.checkpointed = checkpoint_layers(self.lm) if gradient_checkpointing else []
+        """The policy's decoder layers that recompute their activations in the backward (`_recompute`)."""
         trained = [p for p in policy.parameters() if p.requires_grad] if self.lora else list(policy.parameters())
         if autocast_dtype is not None and any(p.dtype != torch.float32 for p in trained):
             raise ValueError(f"TriModel: mixed precision ({autocast_dtype}) needs float32 master weights; "
@@ -182,10 +188,11 @@ class TriModel:
                     if self.cfg.beta > 0:
                         with self.policy.disable_adapter():
                             ref_N = token_logprobs(self.lm, packed, **kw)
-            if with_entropy:
-                policy_N, entropy_N = token_logprobs(self.lm, packed, with_entropy=True, **kw)
-            else:
-                policy_N, entropy_N = token_logprobs(self.lm, packed, **kw), None
+            with self._recompute():
+                if with_entropy:
+                    policy_N, entropy_N = token_logprobs(self.lm, packed, with_entropy=True, **kw)
+                else:
+                    policy_N, entropy_N = token_logprobs(self.lm, packed, **kw), None
             if not self.lora:
                 with torch.no_grad():
                     old_N = None if self.old is None else token_logprobs(self.old, packed, **kw)
@@ -193,6 +200,19 @@ class TriModel:
             if old_N is None:
                 old_N = policy_N.detach()
         return TriLogprobs(policy_N, old_N, ref_N, entropy_N)
+
+    @contextlib.contextmanager
+    def _recompute(self):
+        """Activation checkpointing: the checkpointed layers in training mode for the policy's forward
+        (transformers checkpoints a layer only then; the old and ref forwards keep nothing to recompute)."""
+        modes = [m.training for m in self.checkpointed]
+        for m in self.checkpointed:
+            object.__setattr__(m, "training", True)
+        try:
+            yield
+        finally:
+            for m, mode in zip(self.checkpointed, modes):
+                object.__setattr__(m, "training", mode)
 
     def _autocast(self):
         if self.autocast_dtype is None:

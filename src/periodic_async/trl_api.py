@@ -68,7 +68,6 @@ NO_EFFECT: dict[str, str] = {
     "log_completions": "every completion is written to <output_dir>/rollouts.jsonl",
     "num_completions_to_print": "completions are written to rollouts.jsonl, not printed",
     "per_device_eval_batch_size": "held-out prompts go through the engines as one batch",
-    "gradient_checkpointing": "activations are kept (memory only: the numbers are the same)",
     "dataloader_num_workers": "prompts are tokenized once, in the producer",
     "dataloader_pin_memory": "no dataloader",
     "dataloader_drop_last": "every iteration takes a full batch of prompts (epoch-wise reshuffles)",
@@ -188,7 +187,7 @@ ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     "shuffle_dataset": (True, "prompts are reshuffled every epoch (a pure function of seed and iteration)"),
     "chat_template_kwargs": (None, "the chat template is applied with its defaults"),
     "max_tool_calling_iterations": (None, "no tool calling"),
-    "gradient_checkpointing_kwargs": (None, "activations are kept"),
+    "gradient_checkpointing_kwargs": (None, "transformers' non-reentrant checkpointing of each decoder layer"),
     "model_init_kwargs": (None, "the model is loaded in the run's dtype (bf16) from its directory"),
     "auto_find_batch_size": (False, "the batch is fixed"),
     "label_smoothing_factor": (0.0, "no label smoothing in RL"),
@@ -324,6 +323,8 @@ class GRPOConfig:
     bf16: bool | None = None
     """None: bfloat16 on an accelerator, float32 on CPU (bf16 is many times slower on most CPUs)."""
     use_cpu: bool = False
+    gradient_checkpointing: bool = True
+    """trainer.gradient_checkpointing: the policy's decoder layers recompute their activations in the backward."""
     report_to: str | list[str] | None = "none"
     """'wandb' / 'all': W&B (offline unless WANDB_MODE=online); 'none', [] or None: no W&B."""
     logging_steps: float = 10
@@ -526,6 +527,7 @@ class GRPOConfig:
             "algorithm.advantage": "std" if self.scale_rewards == "group" else "mean", "algorithm.advantage_eps": 1e-4,
             "algorithm.shared_prompt": self.shared_prompt,
             "trainer.iterations": iterations, "trainer.threads": self.trainer_threads,
+            "trainer.gradient_checkpointing": self.gradient_checkpointing,
             "trainer.output_dir": self.output_dir or "trainer_output",
             "trainer.save_every": _every(self.save_steps, steps, total) if self.save_strategy == "steps" else 0,
             "pipeline.mode": self.mode, "logging.wandb_mode": wandb, "logging.progress": True,

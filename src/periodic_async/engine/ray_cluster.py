@@ -7,6 +7,12 @@ of its own, one bundle {CPU: engine.cpus_per_worker, GPU: engine.gpus_per_worker
 (engine.cpu_affinity). A bundle the cluster cannot place within engine.placement_timeout_s is an
 EngineError naming the worker, the bundle and the cluster's resources, with none of the call's
 groups left behind. How and why: docs/scaling.md ("Where engine workers run").
+
+GPUs: an engine worker never lands on a GPU a trainer rank of this machine uses, unless they are
+meant to share (`engine.share_trainer_gpus`: by default only in pipeline.mode=sync-colocated). Ray
+started here is shown only the other GPUs (`engine_gpus`: CUDA_VISIBLE_DEVICES for its start), and
+workers that need a GPU when none is left stop the run at start-up with a ConfigError. A cluster
+joined by address places workers on the GPUs its nodes were started with (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ import math
 import os
 import signal
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from periodic_async.config import ConfigError
 from periodic_async.engine.base import EngineError
 from periodic_async.parallel.affinity import engine_cores
 
@@ -35,8 +43,55 @@ def offline_env() -> dict[str, str]:
     return {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if k in os.environ}
 
 
-def init_ray(engine_cfg) -> bool:
-    """Start Ray locally (or join `engine_cfg.ray_address`) unless it is running; True if we started it."""
+def visible_gpus(env: Mapping[str, str]) -> list[str]:
+    """This process's CUDA devices as CUDA_VISIBLE_DEVICES names them (its entries when set, else 0..n-1)."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def trainer_gpus(device: str, env: Mapping[str, str], gpus: int) -> list[int]:
+    """Indices into `visible_gpus` of the GPUs the trainer ranks of this machine use: under torchrun
+    (WORLD_SIZE > 1) local ranks 0..LOCAL_WORLD_SIZE-1, each on its LOCAL_RANK (parallel/distributed.py),
+    else `model.device`'s ('cuda' and 'auto': device 0). None of them when the trainer is not on CUDA."""
+    kind = device.split(":")[0]
+    if kind not in ("cuda", "auto") or gpus == 0:
+        return []
+    if int(env.get("WORLD_SIZE", "1")) > 1:
+        return list(range(min(gpus, int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))))
+    return [int(device.split(":")[1])] if ":" in device else [0]
+
+
+def engine_gpus(engine_cfg, model_cfg, env: Mapping[str, str] = os.environ) -> list[str]:
+    """The GPUs of this machine (CUDA_VISIBLE_DEVICES entries) that engine workers may take: every
+    visible one when they share the trainer's (`engine.share_trainer_gpus`), else those no trainer
+    rank uses (`trainer_gpus`)."""
+    visible = visible_gpus(env)
+    if engine_cfg.share_trainer_gpus:
+        return visible
+    taken = set(trainer_gpus(model_cfg.device, env, len(visible)))
+    return [g for i, g in enumerate(visible) if i not in taken]
+
+
+def check_engine_gpus(engine_cfg, model_cfg, gpus: float, env: Mapping[str, str] = os.environ) -> None:
+    """ConfigError when workers of `gpus` GPUs each would have to share a trainer rank's GPU."""
+    visible = visible_gpus(env)
+    if not gpus or not visible or engine_gpus(engine_cfg, model_cfg, env):
+        return
+    ranks = (f"{env.get('LOCAL_WORLD_SIZE', env.get('WORLD_SIZE'))} torchrun ranks"
+             if int(env.get("WORLD_SIZE", "1")) > 1 else f"model.device={model_cfg.device}")
+    raise ConfigError(f"engine.gpus_per_worker={gpus:g}: no GPU is left for the engine workers: this machine's "
+                      f"GPUs {','.join(visible)} run the trainer ({ranks}), and an engine worker never runs on the "
+                      "same accelerator as a trainer rank outside pipeline.mode=sync-colocated. Run fewer trainer "
+                      "ranks, set engine.share_trainer_gpus=true to share them, or engine.gpus_per_worker=0 to run "
+                      "the workers on CPU")
+
+
+def init_ray(engine_cfg, model_cfg=None) -> bool:
+    """Start Ray locally (or join `engine_cfg.ray_address`) unless it is running; True if we started it.
+    A local start on a machine with GPUs, given the run's `model_cfg`, shows Ray only `engine_gpus`."""
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -66,8 +121,19 @@ def init_ray(engine_cfg) -> bool:
             need = math.ceil(engine_cfg.num_workers * per_worker)
             # address="local": a new local instance even when a `ray start` cluster runs on this
             # machine (ray.init() would join that one, and refuse num_cpus).
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
-                     _node_ip_address="127.0.0.1", **common)
+            gpus, visible = {}, os.environ.get("CUDA_VISIBLE_DEVICES")
+            if model_cfg is not None and visible_gpus(os.environ):  # Ray takes its GPUs from this at start
+                allowed = engine_gpus(engine_cfg, model_cfg)
+                gpus = dict(num_gpus=len(allowed))
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(allowed)
+            try:
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+                         _node_ip_address="127.0.0.1", **gpus, **common)
+            finally:
+                if gpus and visible is None:
+                    del os.environ["CUDA_VISIBLE_DEVICES"]
+                elif gpus:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = visible
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = multi_node
     if callable(sigterm):
@@ -93,6 +159,8 @@ class Placement:
         if gpus is None:
             gpus = 1 if model_cfg.device.startswith("cuda") or (
                 model_cfg.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
+        if engine_cfg.ray_on_this_machine:
+            check_engine_gpus(engine_cfg, model_cfg, gpus)
         return cls(engine_cfg, float(gpus), engine_cores(engine_cfg, on_cpu=not gpus))
 
     def cores_of(self, w: int) -> list[int] | None:

@@ -159,7 +159,7 @@ class RayEngine(Engine):
             vllm_lora_rank(model_cfg.lora)
         self.cfg = engine_cfg
         self.timeout_s = engine_cfg.timeout_s
-        self._owns_ray = init_ray(engine_cfg)
+        self._owns_ray = init_ray(engine_cfg, model_cfg)
         self.sync = sync or ObjectStoreSync()
         self._version = 0
         self._weights = None  # handle of the weights of `_version`: restarted and added workers load it
