@@ -1,0 +1,106 @@
+"""The examples run, at a tiny size, as a user runs them: examples/capitals/ (the plug-in
+example of docs/extending.md: data, reward, accuracy and YAML) and examples/trl_quickstart.py
+(TRL's GRPO quickstart with its import line switched to us). A random-weight qwen2-micro stands in
+for SmolLM2 (the tiny presets' tokenizer has a chat template too); everything else is the
+example's own."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CAPITALS = ROOT / "examples" / "capitals"
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_capitals_reward_and_accuracy_score_what_their_docstrings_say():
+    """capital_reward: 1 for any alias anywhere in the completion, minus 0.001 a word;
+    capital_accuracy: the completion starts with an alias (multi-word capitals too)."""
+    capitals = _load(CAPITALS / "capitals.py", "capitals")
+    names = [["Paris"], ["Mexico City", "Ciudad de México"], ["Lisbon", "Lisboa"], ["Paris"]]
+    said = ["Paris.", "It is ciudad de méxico, of course", " lisboa", "Lyon"]
+    assert capitals.capital_reward(None, said, names) == pytest.approx([1 - 0.001, 1 - 0.007, 1 - 0.001, -0.001])
+    assert capitals.capital_accuracy(None, said, names) == [1.0, 0.0, 1.0, 0.0]
+    assert capitals.capital_accuracy(None, ["Mexico"], [["Mexico City"]]) == [0.0]  # the country is not its capital
+
+
+def test_capitals_data_holds_one_capital_per_country():
+    """20 countries, no question twice; every answer among its own aliases."""
+    rows = _rows(CAPITALS / "capitals.jsonl")
+    assert len(rows) == 20 and len({r["problem"] for r in rows}) == 20
+    assert all(r["answer"] in r["aliases"] and r["country"] in r["problem"] for r in rows)
+
+
+def test_capitals_yaml_trains_with_its_reward_and_holds_out_the_last_lines(tmp_path, tokenizer_dir, monkeypatch):
+    """`python -m periodic_async train --config examples/capitals/capitals.yaml` (its config, loaded
+    as the command line loads it, run from the repository root) on qwen2-micro: 2 iterations of 4
+    prompts x 4 samples from the first 16 lines, every sample's reward equal to the capitals reward
+    recomputed here from its text and the line's aliases, the last 4 lines held out and evaluated at
+    versions 0, 1 and 2."""
+    from periodic_async.config import RunConfig, load_config
+    from periodic_async.pipeline import run
+
+    monkeypatch.chdir(ROOT)  # the YAML's paths are relative to the repository root
+    cfg = load_config(RunConfig, "examples/capitals/capitals.yaml", [
+        "model.name_or_path=qwen2-micro", f"model.tokenizer={tokenizer_dir}", "engine.backend=local",
+        f"trainer.output_dir={tmp_path}", "logging.wandb_mode=disabled", "logging.progress=false"])
+    assert cfg.reward.functions == ["examples/capitals/capitals.py:capital_reward"]
+    summary = run(cfg)
+    assert summary["iterations"] == 2
+
+    lines = _rows(CAPITALS / "capitals.jsonl")
+    aliases = {r["answer"]: r["aliases"] for r in lines}
+    rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 2 * 4 and all(len(r["texts"]) == 4 for r in rollouts)
+    assert {r["answer"] for r in rollouts} <= {r["answer"] for r in lines[:16]}
+    for r in rollouts:
+        expected = [float(any(a.lower() in t.lower() for a in aliases[r["answer"]])) - 0.001 * len(t.split())
+                    for t in r["texts"]]
+        assert r["rewards"] == pytest.approx(expected, abs=1e-9)
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["n"]) for e in evals] == [(0, 4), (1, 4), (2, 4)]
+
+
+@pytest.fixture(scope="module")
+def micro_model_dir(tmp_path_factory, tokenizer_dir):
+    """qwen2-micro (random weights) with the tiny presets' tokenizer, as a model directory."""
+    from periodic_async.config import ModelConfig
+    from periodic_async.model import load_policy
+
+    out = tmp_path_factory.mktemp("qwen2-micro")
+    policy, tokenizer = load_policy(ModelConfig(name_or_path="qwen2-micro", tokenizer=str(tokenizer_dir), seed=1))
+    policy.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_trl_quickstart_trains_with_trls_accuracy_reward(tmp_path, micro_model_dir, ray_session):
+    """examples/trl_quickstart.py, TRL's quickstart whose one import line names us, trains 2 steps
+    of 8 prompts x 4 completions with TRL's own `accuracy_reward` scoring each against the
+    dataset's `solution` (0.0, not None: the solution parsed; the random model answers nothing)."""
+    pytest.importorskip("trl")
+    script = ROOT / "examples" / "trl_quickstart.py"
+    assert "from periodic_async import GRPOConfig, GRPOTrainer  # TRL's quickstart: from trl import GRPOTrainer" \
+        in script.read_text()
+    quickstart = _load(script, "trl_quickstart")
+    quickstart.main(["--model", str(micro_model_dir), "--max-steps", "2", "--max-completion-length", "8",
+                     "--output-dir", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["mode"] == "periodic-async"
+    rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 2 * 8 and all(len(r["texts"]) == 4 for r in rollouts)
+    assert all(x == 0.0 for r in rollouts for x in r["rewards"])
+    assert not math.isnan(summary["reward_last"])
