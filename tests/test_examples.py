@@ -104,3 +104,15 @@ def test_trl_quickstart_trains_with_trls_accuracy_reward(tmp_path, micro_model_d
     assert len(rollouts) == 2 * 8 and all(len(r["texts"]) == 4 for r in rollouts)
     assert all(x == 0.0 for r in rollouts for x in r["rewards"])
     assert not math.isnan(summary["reward_last"])
+
+
+def test_trl_dropin_script_trains_and_reports_its_step_times(tmp_path, micro_model_dir, ray_session, capsys):
+    """examples/trl_grpo.py, the script experiments/trl_dropin.py times on TRL and on us, trains 3
+    steps and saves; its STEP_TIMES line holds the median of the periods it measured."""
+    script = _load(ROOT / "examples" / "trl_grpo.py", "trl_grpo")
+    script.main(["--model", str(micro_model_dir), "--max-steps", "3", "--num-generations", "2",
+                 "--prompts-per-step", "2", "--max-completion-length", "8", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "global_step=3 " in out and (tmp_path / "final" / "model.safetensors").is_file()
+    times = json.loads(out.split("STEP_TIMES ", 1)[1].splitlines()[0])
+    assert times["global_step"] == 3 and len(times["periods"]) == 1 and times["step_s"] == times["periods"][0] > 0
