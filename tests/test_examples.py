@@ -74,6 +74,28 @@ def test_capitals_yaml_trains_with_its_reward_and_holds_out_the_last_lines(tmp_p
     assert [(e["step"], e["n"]) for e in evals] == [(0, 4), (1, 4), (2, 4)]
 
 
+def test_extending_md_shows_the_capitals_prompt():
+    """docs/extending.md's prompt is the first capitals problem through capitals.yaml's template:
+    its system and user turns; with SmolLM2 prepared, the whole text through SmolLM2's chat template."""
+    from periodic_async.config import RunConfig, load_config
+    from periodic_async.data.prompts import prompt_messages
+    from periodic_async.data.tasks import load_examples
+
+    doc = (ROOT / "docs" / "extending.md").read_text()
+    shown = doc.split("With SmolLM2 the first problem's prompt becomes", 1)[1].split("```\n", 2)[1]
+    cfg = load_config(RunConfig, CAPITALS / "capitals.yaml", [f"data.source={CAPITALS / 'capitals.jsonl'}"])
+    messages = prompt_messages(load_examples(cfg.data, "train")[0], data=cfg.data)
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert all(f"{m['content']}<|im_end|>" in shown for m in messages)
+    smollm2 = ROOT / "artifacts" / "smollm2-135m-instruct"
+    if (smollm2 / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        text = AutoTokenizer.from_pretrained(smollm2).apply_chat_template(messages, tokenize=False,
+                                                                          add_generation_prompt=True)
+        assert text == shown
+
+
 @pytest.fixture(scope="module")
 def micro_model_dir(tmp_path_factory, tokenizer_dir):
     """qwen2-micro (random weights) with the tiny presets' tokenizer, as a model directory."""
@@ -116,3 +138,22 @@ def test_trl_dropin_script_trains_and_reports_its_step_times(tmp_path, micro_mod
     assert "global_step=3 " in out and (tmp_path / "final" / "model.safetensors").is_file()
     times = json.loads(out.split("STEP_TIMES ", 1)[1].splitlines()[0])
     assert times["global_step"] == 3 and len(times["periods"]) == 1 and times["step_s"] == times["periods"][0] > 0
+
+
+def test_trl_md_batch_overlaps_and_trls_default_does_not(tmp_path, monkeypatch):
+    """docs/trl.md's GRPOConfig for overlap, run as written: B = 32 prompts x G = 8, one optimizer
+    step per batch, B·G four times the engines' slots; TRL's default batch is one prompt of 8
+    completions, within one worker's slots (one group: nothing to overlap)."""
+    doc = (ROOT / "docs" / "trl.md").read_text().split("## The batch overlap needs", 1)[1]
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope = {}
+    exec(code, scope)
+    cfg = scope["args"].run_config(num_prompts=1000)
+    slots = cfg.engine.num_workers * cfg.engine.max_num_seqs
+    b, g = cfg.algorithm.prompts_per_iteration, cfg.algorithm.group_size
+    assert (b, g, cfg.algorithm.optimizer_steps_per_iteration, slots) == (32, 8, 1, 64) and b * g == 4 * slots
+
+    default = scope["GRPOConfig"](output_dir=str(tmp_path)).run_config(num_prompts=1000)
+    assert default.algorithm.prompts_per_iteration == 1 and default.algorithm.group_size == 8
+    assert 8 <= default.engine.num_workers * default.engine.max_num_seqs
