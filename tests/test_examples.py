@@ -1,25 +1,20 @@
 """The examples run, at a tiny size, as a user runs them: examples/capitals/ (the plug-in
-example of docs/extending.md: data, reward, accuracy and YAML) and examples/trl_quickstart.py
-(TRL's GRPO quickstart with its import line switched to us). A random-weight qwen2-micro stands in
-for SmolLM2 (the tiny presets' tokenizer has a chat template too); everything else is the
-example's own."""
+example of docs/extending.md: data, reward, accuracy and YAML, through the pipeline in this
+process), examples/trl_quickstart.py (TRL's GRPO quickstart with its import line switched to us)
+and examples/trl_grpo.py (the script experiments/trl_dropin.py times), each as a process of its
+own; and the TRL batch docs/trl.md shows. A random-weight qwen2-micro stands in for SmolLM2 (the
+tiny presets' tokenizer has a chat template too); everything else is the example's own."""
 
-import importlib.util
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPITALS = ROOT / "examples" / "capitals"
-
-
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rows(path: Path) -> list[dict]:
@@ -29,12 +24,15 @@ def _rows(path: Path) -> list[dict]:
 def test_capitals_reward_and_accuracy_score_what_their_docstrings_say():
     """capital_reward: 1 for any alias anywhere in the completion, minus 0.001 a word;
     capital_accuracy: the completion starts with an alias (multi-word capitals too)."""
-    capitals = _load(CAPITALS / "capitals.py", "capitals")
+    from periodic_async.reward import load_reward_fn
+
+    reward, accuracy = (load_reward_fn(f"{CAPITALS / 'capitals.py'}:{name}")
+                        for name in ("capital_reward", "capital_accuracy"))
     names = [["Paris"], ["Mexico City", "Ciudad de México"], ["Lisbon", "Lisboa"], ["Paris"]]
     said = ["Paris.", "It is ciudad de méxico, of course", " lisboa", "Lyon"]
-    assert capitals.capital_reward(None, said, names) == pytest.approx([1 - 0.001, 1 - 0.007, 1 - 0.001, -0.001])
-    assert capitals.capital_accuracy(None, said, names) == [1.0, 0.0, 1.0, 0.0]
-    assert capitals.capital_accuracy(None, ["Mexico"], [["Mexico City"]]) == [0.0]  # the country is not its capital
+    assert reward(None, said, names) == pytest.approx([1 - 0.001, 1 - 0.007, 1 - 0.001, -0.001])
+    assert accuracy(None, said, names) == [1.0, 0.0, 1.0, 0.0]
+    assert accuracy(None, ["Mexico"], [["Mexico City"]]) == [0.0]  # the country is not its capital
 
 
 def test_capitals_data_holds_one_capital_per_country():
@@ -109,7 +107,15 @@ def micro_model_dir(tmp_path_factory, tokenizer_dir):
     return out
 
 
-def test_trl_quickstart_trains_with_trls_accuracy_reward(tmp_path, micro_model_dir, ray_session):
+def _run_example(script: str, *args: str) -> str:
+    """`python examples/SCRIPT ARGS` from the repository root, as a user runs it; its stdout."""
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_trl_quickstart_trains_with_trls_accuracy_reward(tmp_path, micro_model_dir):
     """examples/trl_quickstart.py, TRL's quickstart whose one import line names us, trains 2 steps
     of 8 prompts x 4 completions with TRL's own `accuracy_reward` scoring each against the
     dataset's `solution` (0.0, not None: the solution parsed; the random model answers nothing)."""
@@ -117,9 +123,8 @@ def test_trl_quickstart_trains_with_trls_accuracy_reward(tmp_path, micro_model_d
     script = ROOT / "examples" / "trl_quickstart.py"
     assert "from periodic_async import GRPOConfig, GRPOTrainer  # TRL's quickstart: from trl import GRPOTrainer" \
         in script.read_text()
-    quickstart = _load(script, "trl_quickstart")
-    quickstart.main(["--model", str(micro_model_dir), "--max-steps", "2", "--max-completion-length", "8",
-                     "--output-dir", str(tmp_path)])
+    _run_example("trl_quickstart.py", "--model", str(micro_model_dir), "--max-steps", "2",
+                 "--max-completion-length", "8", "--output-dir", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["mode"] == "periodic-async"
     rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
@@ -128,13 +133,11 @@ def test_trl_quickstart_trains_with_trls_accuracy_reward(tmp_path, micro_model_d
     assert not math.isnan(summary["reward_last"])
 
 
-def test_trl_dropin_script_trains_and_reports_its_step_times(tmp_path, micro_model_dir, ray_session, capsys):
+def test_trl_dropin_script_trains_and_reports_its_step_times(tmp_path, micro_model_dir):
     """examples/trl_grpo.py, the script experiments/trl_dropin.py times on TRL and on us, trains 3
     steps and saves; its STEP_TIMES line holds the median of the periods it measured."""
-    script = _load(ROOT / "examples" / "trl_grpo.py", "trl_grpo")
-    script.main(["--model", str(micro_model_dir), "--max-steps", "3", "--num-generations", "2",
-                 "--prompts-per-step", "2", "--max-completion-length", "8", "--output-dir", str(tmp_path)])
-    out = capsys.readouterr().out
+    out = _run_example("trl_grpo.py", "--model", str(micro_model_dir), "--max-steps", "3", "--num-generations", "2",
+                       "--prompts-per-step", "2", "--max-completion-length", "8", "--output-dir", str(tmp_path))
     assert "global_step=3 " in out and (tmp_path / "final" / "model.safetensors").is_file()
     times = json.loads(out.split("STEP_TIMES ", 1)[1].splitlines()[0])
     assert times["global_step"] == 3 and len(times["periods"]) == 1 and times["step_s"] == times["periods"][0] > 0
