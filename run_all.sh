@@ -36,9 +36,9 @@ EXPERIMENTS=(warm_start table2_throughput engine_throughput shared_prompt_ablati
              shared_async reward_curves fig1_timeline equivalence scaling soak reward_curves_real trl_dropin lora)
 # ONLY: a subset, in EXPERIMENTS' order
 if [ -n "${ONLY:-}" ]; then
-  IFS=, read -r -a only <<< "$ONLY"
-  [[ ",$ONLY," == *,,* ]] && only+=("")  # an empty item (read drops a trailing one)
-  for exp in "${only[@]}"; do
+  IFS=, read -r -a names <<< "$ONLY"
+  [[ ",$ONLY," == *,,* ]] && names+=("")  # an empty item (read drops a trailing one)
+  for exp in "${names[@]}"; do
     if [ -z "$exp" ] || [ -z "${MAIN_CSV[$exp]:-}" ]; then
       echo "run_all.sh: ONLY=$ONLY: unknown experiment '$exp' (known: ${EXPERIMENTS[*]})" >&2; exit 2
     fi
