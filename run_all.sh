@@ -7,13 +7,14 @@
 #                              experiments at a time (LANES=1 for one), each one's output in
 #                              $RESULTS_DIR/logs/<experiment>.log (measured times: docs/reproduce.md)
 #   FORCE=1 bash run_all.sh    start afresh, though a stopped run could be resumed
+#   ONLY=trimodel_cost,soak bash run_all.sh   only these experiments (comma-separated names from
+#                              EXPERIMENTS below; an unknown name stops the run before anything runs)
 # RESULTS_DIR (default results) redirects every CSV, and the figures to $RESULTS_DIR/figures.
 # Each finished experiment's wall time goes to $RESULTS_DIR/logs/run_all_progress.csv; a run
 # that stopped part-way resumes with the same command (the experiments it finished are skipped),
 # and once every experiment has finished the file is copied to $RESULTS_DIR/run_all_times.csv.
 set -euo pipefail
 cd "$(dirname "$0")"
-source scripts/setup_env.sh
 # A smoke run never overwrites the committed results: QUICK=1 writes to results/tmp/quick by default.
 if [ "${QUICK:-0}" != 0 ]; then export RESULTS_DIR="${RESULTS_DIR:-results/tmp/quick}"; fi
 export RESULTS_DIR="${RESULTS_DIR:-results}"
@@ -33,6 +34,19 @@ declare -A MAIN_CSV=(
 )
 EXPERIMENTS=(warm_start table2_throughput engine_throughput shared_prompt_ablation trimodel_cost async_speedup
              shared_async reward_curves fig1_timeline equivalence scaling soak reward_curves_real trl_dropin lora)
+# ONLY: a subset, in EXPERIMENTS' order
+if [ -n "${ONLY:-}" ]; then
+  IFS=, read -r -a names <<< "$ONLY"
+  [[ ",$ONLY," == *,,* ]] && names+=("")  # an empty item (read drops a trailing one)
+  for exp in "${names[@]}"; do
+    if [ -z "$exp" ] || [ -z "${MAIN_CSV[$exp]:-}" ]; then
+      echo "run_all.sh: ONLY=$ONLY: unknown experiment '$exp' (known: ${EXPERIMENTS[*]})" >&2; exit 2
+    fi
+  done
+  chosen=(); for exp in "${EXPERIMENTS[@]}"; do [[ ",$ONLY," == *",$exp,"* ]] && chosen+=("$exp"); done
+  EXPERIMENTS=("${chosen[@]}")
+fi
+source scripts/setup_env.sh
 # A smoke run takes two lanes, each running its experiments one after another. They are split so
 # that both take about as long (measured in a two-lane smoke run at af62326 on a 2-core AVX-512 AMD
 # EPYC, in seconds: reward_curves_real 175, trl_dropin 130, table2_throughput 98, engine_throughput
@@ -84,8 +98,8 @@ if [ -f "$progress" ]; then echo "resuming the run in $progress (FORCE=1 starts 
 else echo "experiment,seconds,quick,git_commit,finished,cpu" > "$progress"; fi
 # what every CSV records, and the machine each time was measured on: CPU model, widest vector
 # unit, cores (times differ severalfold between CPUs)
-commit=$(python -c "from periodic_async.config import git_commit; print(git_commit())")
-cpu=$(python -c "from periodic_async.config import cpu_name; print(cpu_name())")
+commit=$(python -c "from periodic_async.records import git_commit; print(git_commit())")
+cpu=$(python -c "from periodic_async.records import cpu_name; print(cpu_name())")
 for exp in "${EXPERIMENTS[@]}"; do
   [ -f "experiments/$exp.sh" ] || { echo "run_all.sh: experiments/$exp.sh is missing"; exit 1; }
 done
@@ -139,8 +153,10 @@ if [ "$LANES" = 1 ]; then
   lane "${EXPERIMENTS[@]}" & only=$!  # in the background: a signal is then handled at once (wait)
   wait "$only" || { echo "run_all.sh: an experiment failed (above)"; exit 1; }
 else
-  other=(); for exp in "${EXPERIMENTS[@]}"; do [[ " ${FIRST_LANE[*]} " == *" $exp "* ]] || other+=("$exp"); done
-  lane "${FIRST_LANE[@]}" & first=$!
+  first_lane=() other=()
+  for exp in "${FIRST_LANE[@]}"; do [[ " ${EXPERIMENTS[*]} " == *" $exp "* ]] && first_lane+=("$exp"); done
+  for exp in "${EXPERIMENTS[@]}"; do [[ " ${FIRST_LANE[*]} " == *" $exp "* ]] || other+=("$exp"); done
+  lane "${first_lane[@]}" & first=$!
   lane "${other[@]}" & second=$!
   failed=0; wait "$first" || failed=1; wait "$second" || failed=1
   if [ "$failed" != 0 ]; then echo "run_all.sh: an experiment failed (above)"; exit 1; fi

@@ -1,10 +1,13 @@
-"""A GRPO script in TRL's shape (TRL 1.16's quickstart: a dataset with a `prompt` column, reward
-functions, GRPOConfig, GRPOTrainer). It runs on periodic_async's pipeline as written; with the
-import line below switched to `from trl import GRPOConfig, GRPOTrainer` it runs on TRL, unchanged
-otherwise (experiments/trl_dropin.py times both).
+"""One GRPO script in TRL's shape, timed on both libraries by experiments/trl_dropin.py.
 
-    python examples/trl_grpo.py --model artifacts/smollm2-135m-instruct --max-steps 10
-    python examples/trl_grpo.py --model artifacts/smollm2-135m-instruct --max-steps 2 --lora   # a LoRA adapter
+A dataset with a `prompt` column, reward functions, GRPOConfig, GRPOTrainer: it runs on
+periodic_async's pipeline as written and, with the import line below switched to
+`from trl import GRPOConfig, GRPOTrainer`, on TRL, unchanged otherwise. (TRL's own quickstart on
+us: examples/trl_quickstart.py.)
+
+    python -m periodic_async prepare-model smollm2-135m          # artifacts/smollm2-135m-instruct (once)
+    python examples/trl_grpo.py --max-steps 10
+    python examples/trl_grpo.py --max-steps 2 --lora             # a LoRA adapter
 
 The data are one-step word problems made here (conversational prompts and an `answer` column);
 `correctness` reads that column, `brevity` the completion's length. Each reward call records the
@@ -54,16 +57,17 @@ def word_problems(n: int, seed: int = 0) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--model", default="artifacts/smollm2-135m-instruct",
+                   help="made by `python -m periodic_async prepare-model smollm2-135m`")
     p.add_argument("--output-dir", default="runs/trl_grpo")
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft_config), as TRL takes it")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     peft_config = None
     if args.lora:
         from peft import LoraConfig

@@ -15,9 +15,20 @@
 #   NPU   torch_npu in .venv: vLLM for Ascend is `vllm` plus the plugin `vllm-ascend` (extra
 #         [vllm-ascend]) in matching versions; install them yourself (not tested here).
 #   INSTALL_VLLM=0 skips vLLM everywhere (its tests then skip).
+#
+# The environment it exports (docs/usage.md#environment lists it), printed once: by the first
+# script that sources it (the scripts it starts inherit PERIODIC_ASYNC_ENV and print nothing).
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true RAY_USAGE_STATS_ENABLED=0
 export RAY_DEDUP_LOGS=0 PYTHONUNBUFFERED=1
+if [ -z "${PERIODIC_ASYNC_ENV:-}" ]; then
+  export PERIODIC_ASYNC_ENV=1
+  echo "scripts/setup_env.sh exports (docs/usage.md#environment):"
+  echo "  HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1  no Hugging Face downloads: models from artifacts/ or the local cache"
+  echo "  WANDB_MODE=$WANDB_MODE WANDB_SILENT=true  W&B runs stay on this machine unless WANDB_MODE=online"
+  echo "  RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=0  no Ray usage reports; every worker's log lines shown"
+  echo "  TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1  no tokenizer thread pools; output as it is printed"
+fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
