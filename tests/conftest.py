@@ -74,9 +74,10 @@ def ray_session(_ray_until_the_end):
 # --- the order: the longest modules first (under pytest-xdist, whole modules go to whichever worker is free:
 # longest first keeps one long module from running alone at the end) -------------------------------------------
 
-LONGEST_FIRST = ["test_vllm", "test_examples", "test_run_all", "test_engine", "test_pipeline", "test_sft", "test_multinode", "test_prepare",
-                 "test_distributed", "test_bench", "test_episode", "test_notebooks", "test_checkpoint", "test_trl_api", "test_simulate",
-                 "test_engine_faults", "test_cli", "test_affinity", "test_update_readme", "test_security"]
+LONGEST_FIRST = ["test_vllm", "test_examples", "test_run_all", "test_engine", "test_pipeline", "test_sft",
+                 "test_multinode", "test_prepare", "test_distributed", "test_bench", "test_episode", "test_notebooks",
+                 "test_checkpoint", "test_trl_api", "test_simulate", "test_engine_faults", "test_cli",
+                 "test_affinity", "test_update_readme", "test_security"]
 """Modules by their measured time in the default suite (results/test_costs.csv), longest first."""
 
 
