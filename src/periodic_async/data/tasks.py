@@ -348,6 +348,18 @@ def iteration_prompts(examples: list[Example], iteration: int, batch: int, seed:
     return out
 
 
+def extra_prompts(examples: list[Example], iteration: int, batch: int, seed: int, count: int) -> list[int]:
+    """The indices of dynamic sampling's first `count` extra draws of `iteration` (after its `batch`
+    prompts): a shuffle of the training set of its own per iteration, without the iteration's
+    prompts (cycled if `count` is larger). A pure function of its arguments, so the later
+    iterations' prompts and a resume are unchanged by how many an iteration drew."""
+    taken = {i for i, _ in iteration_prompts(examples, iteration, batch, seed)}
+    order = list(range(len(examples)))
+    random.Random(f"extra-draws:{seed}:{iteration}").shuffle(order)
+    rest = [i for i in order if i not in taken] or order
+    return [rest[k % len(rest)] for k in range(count)]
+
+
 @functools.lru_cache(maxsize=4)
 def _epoch_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
     order = list(range(n))
