@@ -214,7 +214,7 @@ class Consumer:
             raise RuntimeError(f"iteration {iteration}: got {n_groups} groups, expected {a.prompts_per_iteration}")
         if not steps:  # dynamic sampling found no informative group: the weights stay, the schedule advances
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\(\)` before")
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
                 self.scheduler.step()
             self.version = iteration + 1
             step_metrics = [{}]
