@@ -32,14 +32,12 @@ import dataclasses
 import difflib
 import functools
 import json
-import logging
 
 from periodic_async.config import DataConfig
 from periodic_async.data.tasks import DataError, Example
 
 PREFIX = "reasoning-gym:"
 INSTALL = "pip install 'periodic-async[tasks]' (or: pip install reasoning-gym==0.1.25)"
-logger = logging.getLogger(__name__)
 
 
 def task_name(source: str) -> str | None:
@@ -187,7 +185,6 @@ def task_examples(cfg: DataConfig, split: str, source: str | None = None) -> lis
             break
     msg = (f"[data] {PREFIX}{name}: held-out set of {len(out)} entries (seed {cfg.seed + 1}); skipped {skipped} "
            "whose question is also a training question")
-    logger.info(msg)
     print(msg)
     if len(out) < cfg.num_eval:
         raise DataError(f"data.source={cfg.source!r}: only {len(out)} of data.num_eval={cfg.num_eval} held-out "
