@@ -22,7 +22,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 
@@ -292,6 +292,11 @@ class RewardConfig:
     returning one score in [0, 1] per completion, averaged; it runs like them (user functions in
     the timed worker process). Default: the math correctness reward (1 when the final answer equals
     the ground truth). A non-math task names its own."""
+    task_functions: ClassVar[tuple[str, str]] = ("periodic_async.reward:task_reward",
+                                                 "periodic_async.reward:task_accuracy")
+    """The default reward and accuracy functions of a reasoning-gym source (data.source), in place of
+    `functions` and `accuracy_function` left at their defaults: the task's own verifier, partial
+    credit kept (task_reward), and full credit only (task_accuracy)."""
     timeout_s: float = 300.0
     """Wall-clock bound of one call of a user reward function (one group). User functions (any
     not in periodic_async.reward) run in a worker process; one that overruns is killed and the
@@ -703,14 +708,14 @@ class RunConfig:
 
 def _task_reward_defaults(data: DataConfig, reward: RewardConfig) -> None:
     """A reasoning-gym source scores with its own verifier: the default reward and accuracy
-    functions become `task_reward` (partial credit kept) and `task_accuracy` (full credit only)."""
+    functions become `RewardConfig.task_functions`."""
     if not data.source.startswith("reasoning-gym:"):
         return
     default = RewardConfig()
     if reward.functions == default.functions:
-        reward.functions, reward.weights = ["periodic_async.reward:task_reward"], [1.0]
+        reward.functions, reward.weights = [RewardConfig.task_functions[0]], [1.0]
     if reward.accuracy_function == default.accuracy_function:
-        reward.accuracy_function = "periodic_async.reward:task_accuracy"
+        reward.accuracy_function = RewardConfig.task_functions[1]
 
 
 @dataclass

@@ -247,12 +247,6 @@ def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
         raise ValueError(f"load_examples: split={split!r}: expected 'train' or 'eval'")
     if split == "eval" and not cfg.num_eval:
         return []
-    if split == "eval" and cfg.eval_source:
-        return _eval_source(cfg)
-    from periodic_async.data.reasoning_tasks import task_examples, task_name
-
-    if task_name(cfg.source) is not None:
-        return task_examples(cfg, split)
     if cfg.source == "synthetic":
         train = make_synthetic(cfg.num_train, cfg, seed=cfg.seed)
         if split == "train":
@@ -277,20 +271,13 @@ def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
     return evals
 
 
-def _eval_source(cfg: DataConfig) -> list[Example]:
-    """The held-out set of `data.eval_source`: a task source's held-out entries, or the first
-    data.num_eval records of a file or dataset; never a training (or few-shot) question."""
-    from periodic_async.data.reasoning_tasks import task_examples, task_name
-
-    if task_name(cfg.eval_source) is not None:
-        evals = task_examples(cfg, "eval", source=cfg.eval_source)
-    else:
-        records = _read_records(cfg.eval_source, cfg.split)[: cfg.num_eval]
-        if not records:
-            raise DataError(f"data.eval_source {cfg.eval_source!r} (split {cfg.split!r}) has no examples")
-        evals = [_record_to_example(r, cfg.format, where, i) for i, (where, r) in enumerate(records)]
-    check_disjoint(load_examples(cfg, "train") + few_shot_examples(cfg), evals, cfg.eval_source)
-    return evals
+def eval_file_examples(cfg: DataConfig) -> list[Example]:
+    """The first data.num_eval records of the file or dataset `data.eval_source` (data/sources.py
+    checks them against the training questions)."""
+    records = _read_records(cfg.eval_source, cfg.split)[: cfg.num_eval]
+    if not records:
+        raise DataError(f"data.eval_source {cfg.eval_source!r} (split {cfg.split!r}) has no examples")
+    return [_record_to_example(r, cfg.format, where, i) for i, (where, r) in enumerate(records)]
 
 
 def _key(example: Example) -> str:
