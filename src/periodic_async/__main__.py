@@ -2,7 +2,7 @@
 
     python -m periodic_async train --config experiments/async_speedup.yaml pipeline.mode=sync-separated
     python -m periodic_async sft --config experiments/sft.yaml
-    python -m periodic_async eval --config experiments/sft.yaml model.name_or_path=runs/x/checkpoint
+    python -m periodic_async eval --config runs/x/config.yaml eval.checkpoint=runs/x eval.max_tokens=256
     python -m periodic_async plan --model-params 32e9 --devices 64 --batch 512 --group 16   (simulated; scale/plan.py)
     python -m periodic_async prepare-model smollm2-135m   (SmolLM2-135M-Instruct -> artifacts/; prepare.py)
     python -m periodic_async tokenizer artifacts/tokenizer   (the tiny presets' offline tokenizer; data/tokenizer.py)
@@ -34,7 +34,7 @@ def _log_to_stderr() -> None:
 COMMANDS = """commands:
   train          GRPO RL in any mode (pipeline.mode): --config file.yaml section.key=value ...
   sft            supervised fine-tuning (the warm start of the RL base policy)
-  eval           held-out greedy accuracy of a model (model.name_or_path=...)
+  eval           held-out greedy accuracy (+ standard error, per task) of a run's checkpoint (eval.checkpoint=...)
   plan           simulated device split and throughput for a model size (plan --help for its options)
   prepare-model  write a packaged model as a Hugging Face directory (prepare-model smollm2-135m)
   tokenizer      build the tiny presets' offline tokenizer (tokenizer artifacts/tokenizer)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="full traceback on errors in the input (also PERIODIC_ASYNC_DEBUG=1)")
     args = parser.parse_intermixed_args(argv)
     debug = args.debug or os.environ.get("PERIODIC_ASYNC_DEBUG", "") not in ("", "0")
-    from periodic_async.config import ConfigError, RunConfig, SFTRunConfig, UserError, load_config
+    from periodic_async.config import ConfigError, EvalRunConfig, RunConfig, SFTRunConfig, UserError, load_config
     from periodic_async.interrupt import Interrupted, install
 
     install()  # SIGINT / SIGTERM stop the run cleanly (checkpoint saved, engines and Ray closed)
@@ -89,17 +89,11 @@ def main(argv: list[str] | None = None) -> None:
             from periodic_async.sft import run_sft
 
             summary = run_sft(cfg)
-        else:
-            from periodic_async.data import few_shot_examples, load_examples
-            from periodic_async.evaluate import evaluate
-            from periodic_async.model import load_policy
-            from periodic_async.reward import make_accuracy
+        else:  # a run's config, a warm start's, or none; eval.* on top
+            cfg = load_config(EvalRunConfig, args.config, args.overrides)
+            from periodic_async.evaluate import run_eval
 
-            cfg = load_config(SFTRunConfig, args.config, args.overrides)
-            model, tok = load_policy(cfg.model)
-            r = evaluate(model, tok, load_examples(cfg.data, "eval"), few_shot_examples(cfg.data), data=cfg.data,
-                         accuracy_fn=make_accuracy(cfg.reward))
-            summary = {k: v for k, v in r.items() if k != "samples"}
+            summary = run_eval(cfg)
     except (UserError, FileNotFoundError) as e:  # the user's input: one line, no traceback
         if debug:
             raise

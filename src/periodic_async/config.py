@@ -22,7 +22,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 
@@ -181,8 +181,17 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "synthetic"
-    """'synthetic' (built-in arithmetic word problems), a local .jsonl/.json/.parquet file, or a
-    Hugging Face dataset name/path loaded with `datasets.load_dataset`."""
+    """'synthetic' (built-in arithmetic word problems), a local .jsonl/.json/.parquet file, a
+    Hugging Face dataset name/path loaded with `datasets.load_dataset`, or 'reasoning-gym:NAME',
+    a reasoning-gym task (data/reasoning_tasks.py; `pip install 'periodic-async[tasks]'`)."""
+    task_config: dict[str, Any] = field(default_factory=dict)
+    """A reasoning-gym source's keyword arguments to `reasoning_gym.create_dataset` (not seed or
+    size: data.seed, data.num_train and data.num_eval give those). On the command line in YAML flow
+    syntax: data.task_config='{"min_terms": 2, "operators": ["+", "-"]}'."""
+    eval_source: str = ""
+    """Where the held-out set comes from instead of the held-out part of `source`: a file or
+    dataset (its first data.num_eval records) or a task source ('reasoning-gym:NAME', built with
+    data.task_config as `source`'s held-out set is). Checked disjoint from the training questions."""
     format: DataFormat = "auto"
     """Field layout of a file/dataset: 'gsm8k' (question/answer with '#### N'), 'math'
     (problem/answer or \\boxed{} in solution), 'aime' (problem/answer), or 'auto' (by columns)."""
@@ -208,7 +217,8 @@ class DataConfig:
     naming the example; True skips such examples and reports how many."""
     system_prompt: str = ""
     """The system turn put first in every prompt; empty: none (a chat template with a default
-    system turn, SmolLM2's for one, then adds its own)."""
+    system turn, SmolLM2's for one, then adds its own), or for a reasoning-gym source its
+    SYSTEM_PROMPTS["default"]."""
     instruction: str = "Solve step by step and give the final answer after ####."
     """What {instruction} in `question_template` becomes: how the model should present its answer
     (the built-in rewards parse the last '#### N' or \\boxed{N})."""
@@ -226,6 +236,15 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.source), "data", "source", self.source, "must not be empty")
+        if self.source.startswith("reasoning-gym:"):  # the entry's question alone, as reasoning-gym asks it
+            _check(self.few_shot == 0, "data", "few_shot", self.few_shot, "a reasoning-gym source takes no few-shot "
+                   "prefix (the system prompt asks for the answer's format)")
+            if self.question_template == DataConfig.question_template and \
+                    self.instruction == DataConfig.instruction:
+                self.question_template = "{question}"
+        _check(not self.task_config or self.source.startswith("reasoning-gym:")
+               or self.eval_source.startswith("reasoning-gym:"), "data", "task_config", self.task_config,
+               "needs a reasoning-gym source (data.source='reasoning-gym:NAME')")
         _check_choices(self, "data")
         _check(self.num_train >= 0, "data", "num_train", self.num_train, "must be >= 0")
         _check(self.num_eval >= 0, "data", "num_eval", self.num_eval, "must be >= 0")
@@ -273,6 +292,11 @@ class RewardConfig:
     returning one score in [0, 1] per completion, averaged; it runs like them (user functions in
     the timed worker process). Default: the math correctness reward (1 when the final answer equals
     the ground truth). A non-math task names its own."""
+    task_functions: ClassVar[tuple[str, str]] = ("periodic_async.reward:task_reward",
+                                                 "periodic_async.reward:task_accuracy")
+    """The default reward and accuracy functions of a reasoning-gym source (data.source), in place of
+    `functions` and `accuracy_function` left at their defaults: the task's own verifier, partial
+    credit kept (task_reward), and full credit only (task_accuracy)."""
     timeout_s: float = 300.0
     """Wall-clock bound of one call of a user reward function (one group). User functions (any
     not in periodic_async.reward) run in a worker process; one that overruns is killed and the
@@ -510,9 +534,31 @@ class AlgorithmConfig:
     whose normaliser spans the generation batch), so every token weighs the same whichever step it
     lands in; the first step then waits for the iteration's last group (its micro-batches are
     computed as they come; the later steps' groups wait for it). The same at k = 1."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal (zero advantage) is not
+    trained; the iteration draws more prompts, sampled by the same policy version, until
+    prompts_per_iteration groups whose rewards differ are in or max_draws_per_iteration prompts
+    were drawn (then it trains the informative groups it has: `dynamic/cap_reached`). Filtered
+    groups are logged (rollouts.jsonl "filtered": true) and counted (`dynamic/*`), never trained."""
+    max_draws_per_iteration: int = 0
+    """dynamic_sampling's cap on the prompts one iteration draws, its first prompts_per_iteration
+    included; 0: 4 x prompts_per_iteration."""
+
+    @property
+    def draws_cap(self) -> int:
+        """The prompts an iteration may draw: prompts_per_iteration, more with dynamic sampling."""
+        if not self.dynamic_sampling:
+            return self.prompts_per_iteration
+        return self.max_draws_per_iteration or 4 * self.prompts_per_iteration
 
     def __post_init__(self) -> None:
         a = "algorithm"
+        _check(self.max_draws_per_iteration == 0 or self.max_draws_per_iteration >= self.prompts_per_iteration, a,
+               "max_draws_per_iteration", self.max_draws_per_iteration,
+               f"must be 0 (4 x B) or >= algorithm.prompts_per_iteration={self.prompts_per_iteration}")
+        _check(not self.dynamic_sampling or self.optimizer_steps_per_iteration == 1, a, "dynamic_sampling",
+               self.dynamic_sampling, "needs optimizer_steps_per_iteration=1 (an iteration trains a varying "
+               "number of groups)")
         _check_choices(self, a)
         _check(self.group_size >= 2, a, "group_size", self.group_size,
                "must be >= 2: GRPO's advantage is a sample's reward against its group's mean, "
@@ -678,6 +724,19 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.engine.share_trainer_gpus is None:  # engines and trainer take turns only when co-located
             self.engine.share_trainer_gpus = self.pipeline.mode == "sync-colocated"
+        _task_reward_defaults(self.data, self.reward)
+
+
+def _task_reward_defaults(data: DataConfig, reward: RewardConfig) -> None:
+    """A reasoning-gym source scores with its own verifier: the default reward and accuracy
+    functions become `RewardConfig.task_functions`."""
+    if not data.source.startswith("reasoning-gym:"):
+        return
+    default = RewardConfig()
+    if reward.functions == default.functions:
+        reward.functions, reward.weights = [RewardConfig.task_functions[0]], [1.0]
+    if reward.accuracy_function == default.accuracy_function:
+        reward.accuracy_function = RewardConfig.task_functions[1]
 
 
 @dataclass
@@ -690,6 +749,35 @@ class SFTRunConfig:
     """Only `reward.accuracy_function` is used here: the held-out accuracy before and after."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        _task_reward_defaults(self.data, self.reward)
+
+
+@dataclass
+class EvalConfig:
+    checkpoint: str = ""
+    """The weights evaluated: a run's directory (its newest checkpoint), a checkpoint directory
+    (`<run>/checkpoint-<t>`) or any Hugging Face model directory; empty: model.name_or_path."""
+    max_tokens: int = 0
+    """Most tokens generated per held-out answer; 0: engine.max_tokens."""
+    batch_size: int = 64
+    """Prompts decoded together (greedy, Hugging Face `generate`)."""
+    output: str = ""
+    """A CSV file written with one row per task (and one for all): accuracy, n, stderr; empty: none."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens >= 0, "eval", "max_tokens", self.max_tokens, "must be >= 0 (0: engine.max_tokens)")
+        _check(self.batch_size >= 1, "eval", "batch_size", self.batch_size, "must be >= 1")
+
+
+@dataclass
+class EvalRunConfig(RunConfig):
+    """`python -m periodic_async eval`: a run's config (or a warm start's) plus `eval`."""
+
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Unused: lets a warm start's config be given as it is."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 C = TypeVar("C")

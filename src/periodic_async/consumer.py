@@ -8,7 +8,9 @@ clips, and takes the optimizer step; the caller then pushes version t+1 (the bar
 
 On-policy guarantee: every group must carry the version the mode says sampled it (t in the
 on-policy modes, t-1 in the off-policy baseline); a group of any other version raises
-`StaleGroupError`, never silently trains. Exactly B groups per iteration.
+`StaleGroupError`, never silently trains. Exactly B groups per iteration; with dynamic sampling
+(producer.py) at most B, all informative: fewer when its draws reached their cap (one step on
+those, normalised over their tokens), none (no step; the lr schedule advances) when no group was.
 With `optimizer_steps_per_iteration = k > 1` the iteration is cut into k mini-batches of
 B/k groups *in arrival order*, each followed by a step: a documented departure that breaks
 the sync/async equivalence (the mini-batches then depend on completion order). With token-mean
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from typing import Iterable
 
 import torch
@@ -97,6 +100,9 @@ class Consumer:
         if self.ranks.distributed and a.optimizer_steps_per_iteration != 1:
             raise ValueError(f"algorithm.optimizer_steps_per_iteration={a.optimizer_steps_per_iteration}: trainer "
                              "ranks take one optimizer step per iteration")
+        if self.ranks.distributed and a.dynamic_sampling:
+            raise ValueError("algorithm.dynamic_sampling: trainer ranks split exactly B groups per iteration; "
+                             "run it in a single trainer process")
         if a.prompts_per_iteration % a.optimizer_steps_per_iteration:
             raise ValueError(f"algorithm.optimizer_steps_per_iteration={a.optimizer_steps_per_iteration} must divide "
                              f"algorithm.prompts_per_iteration={a.prompts_per_iteration}")
@@ -183,6 +189,16 @@ class Consumer:
                     steps = len(step_metrics)
             busy_s += time.time() - t0
             cpu_s += time.thread_time() - c0
+        if local_steps and a.dynamic_sampling and 0 < n_groups < a.prompts_per_iteration:
+            # dynamic sampling at its cap: one step on the informative groups there are, normalised
+            # over them alone (`acc` counted their tokens and sequences as they came)
+            t0, c0 = time.time(), time.thread_time()
+            for mb in batcher.flush():
+                self._micro_step(mb, acc, iteration)
+            step_metrics.append(self._optimizer_step(acc, iteration, steps, True))
+            steps += 1
+            busy_s += time.time() - t0
+            cpu_s += time.thread_time() - c0
         if not local_steps:
             t0, c0 = time.time(), time.thread_time()
             for mb in batcher.flush():
@@ -196,8 +212,14 @@ class Consumer:
             busy_s += time.time() - t0
             cpu_s += time.thread_time() - c0
         threads.reset()
-        if n_groups != a.prompts_per_iteration:
+        if n_groups != a.prompts_per_iteration and not a.dynamic_sampling:
             raise RuntimeError(f"iteration {iteration}: got {n_groups} groups, expected {a.prompts_per_iteration}")
+        if not steps:  # dynamic sampling found no informative group: the weights stay, the schedule advances
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
+                self.scheduler.step()
+            self.version = iteration + 1
+            step_metrics = [{}]
         self.tri.refresh_old()
         m = {k: (min if k.endswith("_min") else max if k.endswith("_max") else _mean)(s[k] for s in step_metrics)
              for k in step_metrics[0]}

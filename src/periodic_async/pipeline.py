@@ -96,24 +96,27 @@ def devices_in_use(cfg: RunConfig, trainer_ranks: int = 1, version: int = 0) -> 
 
 
 def _iteration_metrics(groups: list[Group], t_start: float, t_end: float, train: dict, sync_s: float,
-                       cfg: RunConfig, trainer_ranks: int = 1) -> dict[str, float]:
-    rewards = [r for g in groups for r in g.rewards if r == r] or [float("nan")]  # NaN: scored by no function (TRL)
-    lengths = [len(r) for g in groups for r in g.response_ids]
+                       cfg: RunConfig, trainer_ranks: int = 1, filtered: list[Group] = ()) -> dict[str, float]:
+    """`groups`: those trained; `filtered`: those dynamic sampling drew and did not train. Rewards,
+    accuracy, lengths and generation time are over all the iteration sampled, tokens over those trained."""
+    sampled = list(groups) + list(filtered)
+    rewards = [r for g in sampled for r in g.rewards if r == r] or [float("nan")]  # NaN: scored by no function (TRL)
+    lengths = [len(r) for g in sampled for r in g.response_ids]
     trained = sum(len(g.prompt_ids) * g.size + g.num_response_tokens for g in groups)
     wall = t_end - t_start
-    gen_s = max(0.0, max(g.timings["finished"] for g in groups) - t_start)  # 0: prefetched (off-policy)
-    devices = devices_in_use(cfg, trainer_ranks, groups[0].iteration)  # the engines hold version t meanwhile
+    gen_s = max(0.0, max(g.timings["finished"] for g in sampled) - t_start)  # 0: prefetched (off-policy)
+    devices = devices_in_use(cfg, trainer_ranks, sampled[0].iteration)  # the engines hold version t meanwhile
     m = {
         "reward/mean": statistics.fmean(rewards), "reward/std": statistics.pstdev(rewards),
-        "accuracy": statistics.fmean(c for g in groups for c in g.correct),
+        "accuracy": statistics.fmean(c for g in sampled for c in g.correct),
         "response/len_mean": statistics.fmean(lengths), "response/len_max": max(lengths),
-        "response/truncated_frac": statistics.fmean(f == "length" for g in groups for f in g.finish_reasons),
+        "response/truncated_frac": statistics.fmean(f == "length" for g in sampled for f in g.finish_reasons),
         "tokens/trained": trained, "tokens/response": sum(lengths),
         "tokens/packed": sum(g.num_packed_tokens(cfg.algorithm.shared_prompt) for g in groups),
         "throughput/tokens_per_s": trained / wall,
         "throughput/tokens_per_s_per_device": trained / wall / devices, "throughput/devices": devices,
         "time/iteration_s": wall, "time/generate_s": gen_s, "time/train_s": train["train_busy_s"],
-        "time/reward_s": sum(g.timings.get("reward_s", 0.0) for g in groups), "time/sync_s": sync_s,
+        "time/reward_s": sum(g.timings.get("reward_s", 0.0) for g in sampled), "time/sync_s": sync_s,
         "idle/engine_s": wall - gen_s,
         "idle/trainer_s": wall - train["train_busy_s"] - sync_s,
         # Where an async iteration loses against max(T_gen, T_train): the trainer's work left
@@ -128,15 +131,34 @@ def _iteration_metrics(groups: list[Group], t_start: float, t_end: float, train:
     return m
 
 
-def _write_rollouts(path: Path, groups: list[Group]) -> None:
-    """Append the iteration's groups, in the order the trainer consumed them."""
+SOURCE_COLUMNS = ("source_dataset", "source_index")
+"""An example's columns naming its origin (a task source's: data/reasoning_tasks.py), copied into its
+rollouts and used for the per-task metrics."""
+
+
+def _write_rollouts(path: Path, groups: list[Group], filtered: list[Group] = (), examples: list = ()) -> None:
+    """Append the iteration's groups, in the order the trainer consumed them, then those dynamic
+    sampling filtered ("filtered": true, no arrival); each with its example's `SOURCE_COLUMNS`."""
     with path.open("a") as f:
-        for arrival, g in enumerate(groups):
+        for arrival, g in [*enumerate(groups), *((None, g) for g in filtered)]:
+            columns = examples[g.prompt_index].columns if g.prompt_index < len(examples) else {}
             f.write(json.dumps({"iteration": g.iteration, "version": g.version, "prompt_index": g.prompt_index,
                                 "position": g.timings.get("position"), "arrival": arrival,
+                                "filtered": arrival is None,
+                                **{k: columns[k] for k in SOURCE_COLUMNS if k in columns},
                                 "rewards": g.rewards, "advantages": g.advantages, "correct": g.correct,
                                 "answer": g.answer, "texts": g.texts, "response_ids": g.response_ids,
                                 "finish_reasons": g.finish_reasons}) + "\n")
+
+
+def _per_task(groups: list[Group], examples: list) -> dict[str, float]:
+    """reward/mean/NAME: the mean reward of the groups of each task (an example's source_dataset column)."""
+    by_task: dict[str, list[float]] = {}
+    for g in groups:
+        name = examples[g.prompt_index].columns.get("source_dataset") if g.prompt_index < len(examples) else None
+        if name is not None:
+            by_task.setdefault(name, []).extend(r for r in g.rewards if r == r)
+    return {f"reward/mean/{name}": statistics.fmean(r) for name, r in sorted(by_task.items()) if r}
 
 
 def build_engine(cfg: RunConfig) -> Engine:
@@ -344,8 +366,9 @@ class _Generation:
         that sampled them."""
         self.t_start = time.time()
         version = self.mode.sampled_by(iteration)
-        received = _Received(self.mode.groups(self.producer, iteration), iteration,
-                             self.cfg.algorithm.prompts_per_iteration)
+        a = self.cfg.algorithm
+        received = _Received(self.mode.groups(self.producer, iteration), iteration, a.draws_cap,
+                             (lambda: self.producer.draws[iteration].kept) if a.dynamic_sampling else None)
         self.received = received  # what the trainer got, whatever happens to the hand-out
         self.handed = self.ranks.hand_out(received, iteration, version)
         return self.handed, version
@@ -441,11 +464,13 @@ class _Received:
     Guarantees what the consumer's count cannot: the groups are the iteration's B distinct
     positions (each request once), each tagged with `iteration`; anything else is a
     RuntimeError before the group reaches the trainer (or, for a missing position, before the
-    iteration can end)."""
+    iteration can end). With dynamic sampling: distinct positions below the draws' cap (`batch`),
+    as many as the producer kept (`kept()`, asked once the stream has ended)."""
 
-    def __init__(self, groups: Iterable[Group], iteration: int, batch: int) -> None:
+    def __init__(self, groups: Iterable[Group], iteration: int, batch: int,
+                 kept: Callable[[], int] | None = None) -> None:
         self.groups, self.received = groups, []
-        self.iteration, self.batch = iteration, batch
+        self.iteration, self.batch, self.kept = iteration, batch, kept
 
     def __iter__(self) -> Iterator[Group]:
         seen: set[int] = set()
@@ -460,9 +485,11 @@ class _Received:
             seen.add(position)
             self.received.append(g)
             yield g
-        if len(seen) != self.batch:
-            raise RuntimeError(f"iteration {self.iteration}: the stream ended with positions "
-                               f"{sorted(set(range(self.batch)) - seen)} missing")
+        expected = self.batch if self.kept is None else self.kept()
+        if len(seen) != expected:
+            missing = sorted(set(range(expected)) - seen) if self.kept is None else sorted(seen)
+            raise RuntimeError(f"iteration {self.iteration}: the stream ended with {len(seen)} groups of {expected}: "
+                               f"positions {missing} {'missing' if self.kept is None else 'received'}")
 
 
 class _Books:
@@ -484,7 +511,12 @@ class _Books:
                   completed: int, barrier_failed: bool = False) -> None:
         """The books of iteration completed-1. barrier_failed: its barrier failed after the step
         (sync_s is then the time to the failure; the row says `barrier/failed`)."""
-        m = _iteration_metrics(groups, t_start, t_end, train, sync_s, self.cfg, self.trainer_ranks)
+        draws = self.producer.draws.pop(completed - 1, None)
+        filtered = draws.filtered if draws is not None else []
+        m = _iteration_metrics(groups, t_start, t_end, train, sync_s, self.cfg, self.trainer_ranks, filtered)
+        m.update(_per_task(groups + filtered, self.producer.examples))
+        if self.cfg.algorithm.dynamic_sampling and draws is not None:
+            m.update(draws.metrics())
         if barrier_failed:
             m["barrier/failed"] = 1
         m.update(self._new_evals())
@@ -495,7 +527,7 @@ class _Books:
             m.update(self.push_check.last)
         m["pipeline/queue_depth_max"] = self.producer.queue_depth_max  # most groups waiting for the trainer
         if self.cfg.logging.rollouts:
-            _write_rollouts(self.out / "rollouts.jsonl", groups)
+            _write_rollouts(self.out / "rollouts.jsonl", groups, filtered, self.producer.examples)
         self.logger.log(m, step=completed)
         self.history.append({"iteration": completed - 1, **m})
         if self.bar is not None:
@@ -512,7 +544,8 @@ class _Books:
             with (self.out / "eval.jsonl").open("a") as f:
                 f.write(json.dumps({"step": version, **r}) + "\n")
             self.logged_evals.add(version)
-            m = {"eval/accuracy": r["accuracy"], "eval/stderr": r["stderr"], "eval/n": r["n"], "eval/version": version}
+            m = {"eval/accuracy": r["accuracy"], "eval/stderr": r["stderr"], "eval/n": r["n"], "eval/version": version,
+                 **{f"eval/accuracy/{name}": t["accuracy"] for name, t in r.get("tasks", {}).items()}}
         return m
 
     def log_new_evals(self, completed: int) -> None:

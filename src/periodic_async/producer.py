@@ -15,6 +15,13 @@ function (`reward.accuracy_function`, default the correctness reward) into
 `eval_results[version]`, never queued for training: the trainer keeps training
 while they run, and the iteration ends when both are done.
 
+Dynamic sampling (`algorithm.dynamic_sampling`, DAPO): a group whose rewards are all equal is
+filtered (kept in `draws[iteration]` for the books, never queued), and the iteration draws more
+prompts (`data.extra_prompts`) in rounds, each as many as the last round filtered, through the
+same engines and version, until B informative groups are queued or
+`algorithm.max_draws_per_iteration` prompts were drawn (`_Draws`). Under periodic asynchrony the
+extra rounds generate while the trainer trains the groups already queued.
+
 `generation_done` is set once the engines have returned every request of the iteration
 (before the last group is queued): from then on the engines' devices are free until the
 barrier, and the consumer may take them (`trainer.threads_after_generation`).
@@ -27,8 +34,9 @@ parsed ground truth).
 
 Guarantees: every request of the iteration is delivered exactly once (the consumer counts
 the groups; the pipeline checks they are the iteration's B distinct positions, tagged with
-the iteration); a request's sampling seed is a pure function of (run seed, iteration, position in the
-iteration), so every pipeline mode samples the same tokens and a prompt drawn twice in one
+the iteration; with dynamic sampling, the positions of its kept groups); a request's sampling
+seed is a pure function of (run seed, iteration, position in the iteration), so every pipeline
+mode samples the same tokens, keeps the same groups, and a prompt drawn twice in one
 iteration gives two groups; an exception in the thread is re-raised in
 the consumer by `stream()`, which never blocks forever (engine timeouts bound generation).
 """
@@ -43,8 +51,10 @@ from typing import Callable, Iterator, Sequence
 from periodic_async import grpo
 from periodic_async.config import RunConfig
 from periodic_async.parallel.affinity import pin_thread, starting_on
-from periodic_async.data import Example, encode_prompts, iteration_prompts, reward_kwargs, reward_prompt
+from periodic_async.data import (Example, encode_prompts, extra_prompts, iteration_prompts, reward_kwargs,
+                                 reward_prompt)
 from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
+from periodic_async.evaluate import accuracy_stats, per_task
 from periodic_async.group import Group
 from periodic_async.reward import RewardError, TrainerState, make_accuracy
 from periodic_async.trace import Tracer
@@ -69,6 +79,45 @@ def request_seed(run_seed: int, iteration: int, position: int) -> int:
     return (run_seed * 1_000_003 + iteration * 100_003 + position) % (2**31 - 1)
 
 
+class _Draws:
+    """The prompts one iteration drew and what became of their groups. Dynamic sampling
+    (algorithm.dynamic_sampling, DAPO): a group whose rewards are all equal is filtered (kept
+    here for the books, never queued); each round draws as many prompts as the last round
+    filtered, up to `cap` in all. So the groups trained are the informative ones among
+    positions 0..N-1, N the first count holding B of them (or the cap): a pure function of the
+    iteration and its seeds, whatever the completion order (every mode trains the same groups)."""
+
+    def __init__(self, iteration: int, batch: int, cap: int) -> None:
+        self.iteration, self.batch, self.cap = iteration, batch, cap
+        self.drawn, self.kept = 0, 0
+        self.filtered: list[Group] = []
+
+    def add(self, group: Group, dynamic: bool) -> bool:
+        """Record `group`; whether it is trained (without dynamic sampling: always)."""
+        if dynamic and not informative(group.rewards):
+            self.filtered.append(group)
+            return False
+        self.kept += 1
+        return True
+
+    def more(self, filtered_this_round: int) -> int:
+        """The next round's draws: one per group the round filtered, within the cap."""
+        return max(0, min(filtered_this_round, self.cap - self.drawn))
+
+    @property
+    def cap_reached(self) -> bool:
+        return self.kept < self.batch
+
+    def metrics(self) -> dict[str, float]:
+        return {"dynamic/drawn": self.drawn, "dynamic/kept": self.kept, "dynamic/filtered": len(self.filtered),
+                "dynamic/cap_reached": int(self.cap_reached)}
+
+
+def informative(rewards: Sequence[float]) -> bool:
+    """Whether a group teaches anything: its rewards differ (NaN, scored by no function, aside)."""
+    return len({r for r in rewards if r == r}) > 1
+
+
 class Producer:
     """Background generation for one iteration at a time; see the module docstring.
 
@@ -86,6 +135,8 @@ class Producer:
         """The cores of the producer's thread (parallel/affinity.py: off the trainer's); None: any."""
         self.accuracy_fn = make_accuracy(cfg.reward) if accuracy_fn is None else accuracy_fn
         self.eval_examples = list(eval_examples)
+        self.draws: dict[int, _Draws] = {}
+        """What each iteration drew (dynamic sampling: the filtered groups; the books pop it)."""
         self.eval_results: dict[int, dict] = {}
         """Greedy held-out accuracy per evaluated version: {'accuracy', 'n', 'stderr', 'iteration',
         'correct' (the accuracy score per held-out example, in order, 0/1 for the default: paired
@@ -165,30 +216,39 @@ class Producer:
             pin_thread(self.cores)  # receiving and scoring: off the trainer's cores (reward workers: run())
             cfg = self.cfg
             version = self.engine.version
-            requests, by_id = [], {}
-            for request, index, example in self.iteration_requests(iteration):
-                by_id[request.request_id] = (len(requests), index, example)
-                requests.append(request)
+            draws = _Draws(iteration, cfg.algorithm.prompts_per_iteration, cfg.algorithm.draws_cap)
+            self.draws[iteration] = draws
+            first = self.iteration_requests(iteration)
+            requests, by_id = self._requests(first, 0)
+            draws.drawn = len(first)
             every = cfg.trainer.eval_every
             evaluate = every and version % every == 0 and version not in self.eval_results and self.eval_examples
             evals = self._eval_requests(iteration) if evaluate else {}
             requests += [r for r, _ in evals.values()]
             eval_texts: dict[int, str] = {}
             submitted = time.time()
-            for out in self.engine.generate(requests):
-                if self._stop.is_set():
-                    return
-                if out.request_id in evals:
-                    eval_texts[evals.pop(out.request_id)[1]] = out.samples[0].text
-                else:
+            while requests:  # one round; dynamic sampling: more rounds, each after the last one's outputs
+                filtered = 0
+                for out in self.engine.generate(requests):
+                    if self._stop.is_set():
+                        return
+                    if out.request_id in evals:
+                        eval_texts[evals.pop(out.request_id)[1]] = out.samples[0].text
+                        continue
                     position, index, example = by_id.pop(out.request_id)
                     group = self._score(out, index, example, iteration, version, submitted)
-                    group.timings["position"] = position  # request (dataset) order, for the sync modes
-                    if not by_id and not evals:
+                    group.timings["position"] = position  # draw (dataset) order, for the sync modes
+                    keep = draws.add(group, cfg.algorithm.dynamic_sampling)
+                    filtered += not keep
+                    if not by_id and not evals and not draws.more(filtered):
                         self.generation_done.set()
-                    self.queue.put(group)
-            if by_id or evals:
-                raise RuntimeError(f"producer: engine finished without requests {sorted(by_id) + sorted(evals)}")
+                    if keep:
+                        self.queue.put(group)
+                if by_id or evals:
+                    raise RuntimeError(f"producer: engine finished without requests {sorted(by_id) + sorted(evals)}")
+                extra = self.extra_requests(iteration, draws.drawn, draws.more(filtered))
+                requests, by_id = self._requests(extra, draws.drawn)
+                draws.drawn += len(extra)
             self.generation_done.set()
             if eval_texts:
                 self._score_eval(eval_texts, iteration, version)
@@ -196,14 +256,32 @@ class Producer:
         except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
             self.queue.put(_Failed(e))
 
+    @staticmethod
+    def _requests(draws: list[tuple[Request, int, Example]], first: int) -> tuple[list[Request], dict]:
+        """The requests of `draws` and {request id: (position, prompt index, example)}, positions from `first`."""
+        return [r for r, _, _ in draws], {r.request_id: (first + k, i, e) for k, (r, i, e) in enumerate(draws)}
+
     def iteration_requests(self, iteration: int) -> list[tuple[Request, int, Example]]:
         """The iteration's B requests in dataset order (position 0..B-1), each with the index of
         its prompt in the training set and the example: a pure function of the iteration."""
         cfg = self.cfg
         batch = iteration_prompts(self.examples, iteration, cfg.algorithm.prompts_per_iteration, cfg.data.seed)
-        return [(Request(f"it{iteration}-p{index}-{position}", self.prompt_ids(index), cfg.algorithm.group_size,
-                         self.params, request_seed(cfg.data.seed, iteration, position)), index, example)
-                for position, (index, example) in enumerate(batch)]
+        return [self._request(iteration, position, index) for position, (index, _) in enumerate(batch)]
+
+    def extra_requests(self, iteration: int, first: int, count: int) -> list[tuple[Request, int, Example]]:
+        """Dynamic sampling's draws at positions first..first+count-1 of `iteration`: the prompts of
+        `data.extra_prompts` (a pure function of the iteration, as the first B are)."""
+        if count <= 0:
+            return []
+        cfg = self.cfg
+        B = cfg.algorithm.prompts_per_iteration
+        indices = extra_prompts(self.examples, iteration, B, cfg.data.seed, first - B + count)
+        return [self._request(iteration, first + k, indices[first - B + k]) for k in range(count)]
+
+    def _request(self, iteration: int, position: int, index: int) -> tuple[Request, int, Example]:
+        cfg = self.cfg
+        return (Request(f"it{iteration}-p{index}-{position}", self.prompt_ids(index), cfg.algorithm.group_size,
+                        self.params, request_seed(cfg.data.seed, iteration, position)), index, self.examples[index])
 
     def evaluate_now(self, iteration: int) -> dict:
         """Held-out greedy accuracy of the engines' current version, in the calling thread
@@ -230,11 +308,10 @@ class Producer:
                                        **reward_kwargs(examples))
         except Exception as e:
             raise RewardError(f"held-out evaluation of version {version}: {type(e).__name__}: {e}") from e
-        n = len(correct)
-        acc = sum(correct) / n
-        var = sum((c - acc) ** 2 for c in correct) / n  # acc * (1 - acc) for 0/1 scores
-        self.eval_results[version] = {"accuracy": acc, "n": n, "stderr": (var / n) ** 0.5, "iteration": iteration,
-                                      "correct": [int(c) if float(c).is_integer() else c for c in correct]}
+        tasks = per_task(correct, examples)
+        self.eval_results[version] = {**accuracy_stats(correct), "iteration": iteration,
+                                      "correct": [int(c) if float(c).is_integer() else c for c in correct],
+                                      **({"tasks": tasks} if tasks else {})}
         return self.eval_results[version]
 
     def _prompt(self, example: Example):

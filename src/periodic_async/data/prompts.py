@@ -51,7 +51,8 @@ def prompt_messages(example: Example, shots: Sequence[Example] = (),
         raise DataError(f"example {example.id or '?'}: a text prompt has no chat messages (it is tokenized as it is)")
     d = _DEFAULT if data is None else data
     ask = lambda e: _fill(d.question_template, "question_template", e, instruction=d.instruction)  # noqa: E731
-    messages = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
+    system = d.system_prompt or _task_system_prompt(d.source)
+    messages = [{"role": "system", "content": system}] if system else []
     if d.few_shot_format == "turns":
         for s in shots:
             if s.solution is None:
@@ -63,6 +64,13 @@ def prompt_messages(example: Example, shots: Sequence[Example] = (),
                        instruction=d.instruction) for s in shots]
     parts.append(ask(example))
     return messages + [{"role": "user", "content": "\n".join(parts)}]
+
+
+def _task_system_prompt(source: str) -> str:
+    """reasoning-gym's default system prompt for a task source (data/reasoning_tasks.py), else ''."""
+    from periodic_async.data.reasoning_tasks import system_prompt, task_name
+
+    return system_prompt() if task_name(source) is not None else ""
 
 
 def fit_to_context(examples: list[Example], shots: list[Example], tokenizer, max_new_tokens: int,

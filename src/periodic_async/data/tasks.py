@@ -271,6 +271,15 @@ def load_examples(cfg: DataConfig, split: str = "train") -> list[Example]:
     return evals
 
 
+def eval_file_examples(cfg: DataConfig) -> list[Example]:
+    """The first data.num_eval records of the file or dataset `data.eval_source` (data/sources.py
+    checks them against the training questions)."""
+    records = _read_records(cfg.eval_source, cfg.split)[: cfg.num_eval]
+    if not records:
+        raise DataError(f"data.eval_source {cfg.eval_source!r} (split {cfg.split!r}) has no examples")
+    return [_record_to_example(r, cfg.format, where, i) for i, (where, r) in enumerate(records)]
+
+
 def _key(example: Example) -> str:
     """What makes two problems the same: the question text, whitespace-normalised."""
     return " ".join(example.question.split())
@@ -324,6 +333,18 @@ def iteration_prompts(examples: list[Example], iteration: int, batch: int, seed:
         index = _epoch_order(n, seed, epoch)[pos]
         out.append((index, examples[index]))
     return out
+
+
+def extra_prompts(examples: list[Example], iteration: int, batch: int, seed: int, count: int) -> list[int]:
+    """The indices of dynamic sampling's first `count` extra draws of `iteration` (after its `batch`
+    prompts): a shuffle of the training set of its own per iteration, without the iteration's
+    prompts (cycled if `count` is larger). A pure function of its arguments, so the later
+    iterations' prompts and a resume are unchanged by how many an iteration drew."""
+    taken = {i for i, _ in iteration_prompts(examples, iteration, batch, seed)}
+    order = list(range(len(examples)))
+    random.Random(f"extra-draws:{seed}:{iteration}").shuffle(order)
+    rest = [i for i in order if i not in taken] or order
+    return [rest[k % len(rest)] for k in range(count)]
 
 
 @functools.lru_cache(maxsize=4)

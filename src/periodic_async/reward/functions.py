@@ -50,9 +50,6 @@ class TrainerState:
     epoch: float
 
 
-BUILT_IN_MODULES = ("periodic_async.reward", __name__)
-"""Module names under which the built-in functions are named in `reward.functions` (run in-process)."""
-
 _worker_reward_fns: dict[str, "RewardFn"] = {}
 
 
@@ -181,7 +178,7 @@ def combined_reward(fns: Sequence[RewardFn | str], weights: Sequence[float], tim
     for f in fns:
         if isinstance(f, str):
             fn = load_reward_fn(f)
-            if timeout_s > 0 and f.rsplit(":", 1)[0] not in BUILT_IN_MODULES:
+            if timeout_s > 0 and getattr(fn, "__module__", None) != __name__:  # any but this module's
                 entries.append((f, None, f))
                 remote.append(f)
             else:
