@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 import time
 from pathlib import Path
 
 from periodic_async.bench.analysis import identical_iterations, max_abs_diff, paired_gain_stderr
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_reward_curves, plot_reward_vs_time
 from periodic_async.bench.protocol import SharedEngines
 from periodic_async.bench.tables import write_csv
@@ -97,16 +97,11 @@ def _modes(text: str) -> list[str]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 iterations, 20 held-out problems")
-    ap.add_argument("--results", default=os.environ.get("RESULTS_DIR", "results"))
-    ap.add_argument("--runs", default="runs/reward_curves")
-    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap = experiment_parser(__doc__, runs="runs/reward_curves", figures=True, overrides=True)
     ap.add_argument("--config", default=str(HERE / "reward_curves.yaml"),
                     help="the experiment (e.g. experiments/reward_curves_real.yaml)")
     ap.add_argument("--tag", default="", help="suffix of the outputs: reward_curves_<tag>.csv, ...")
     ap.add_argument("--modes", type=_modes, default=MODES, help="comma-separated modes to run, in this order")
-    ap.add_argument("overrides", nargs="*", help="section.key=value, applied to every mode")
     args = ap.parse_intermixed_args(argv)
     extra = (QUICK if args.quick else []) + list(args.overrides)
     config = Path(args.config)

@@ -27,13 +27,12 @@ results/table2_token_check.csv (TRL's count and ours per step), results/table2_b
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_table2
 from periodic_async.bench.protocol import SharedEngines, System, flatten, measure
 from periodic_async.bench.tables import read_csv, write_csv
@@ -236,18 +235,12 @@ def mean_prompt_tokens(cfg: RunConfig) -> float:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--results", default=os.environ.get("RESULTS_DIR", "results"))
-    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
-    ap.add_argument("--runs", default="runs/table2")
+    ap = experiment_parser(__doc__, runs="runs/table2", repeats=(REPEATS, QUICK["repeats"]), figures=True,
+                           overrides=True)
     ap.add_argument("--config", default=str(HERE / "table2_throughput.yaml"), help="the run config every system shares")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help=f"measured rounds (default {REPEATS}; {QUICK['repeats']} with --quick)")
     ap.add_argument("--settings", default=None,
                     help=f"comma-separated settings to run (default: all of {', '.join(SETTINGS)}), e.g. real-model")
     ap.add_argument("--no-batch-effect", action="store_true", help="skip the batch-size sweep")
-    ap.add_argument("overrides", nargs="*", help="section.key=value for every system (e.g. model.name_or_path=...)")
     args = ap.parse_args(argv)
     plan = Plan.of(Path(args.config), args.quick, args.settings.split(",") if args.settings else None, args.repeats)
     extra = list(args.overrides)

@@ -17,13 +17,13 @@ speedup_max, train_s, repeats, git_commit, config_hash, settings).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.protocol import System, measure
 from periodic_async.bench.tables import write_csv
 
@@ -55,15 +55,11 @@ def run_script(path: Path, args: list[str]) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
+    ap = experiment_parser(__doc__, runs="runs/trl_dropin", repeats=(3, 1))
     ap.add_argument("--max-steps", type=int, default=None, help="optimizer steps per run (default 6; 3 with --quick)")
     ap.add_argument("--model", default=str(ROOT / "artifacts" / "smollm2-135m-instruct"))
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--runs", default="runs/trl_dropin")
     args = ap.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats
     steps = args.max_steps or (3 if args.quick else 6)
     extra = ["--max-completion-length", "8", "--prompts-per-step", "2", "--num-generations", "2"] if args.quick else []
     folder = Path(tempfile.mkdtemp(prefix="trl_dropin_"))
