@@ -8,12 +8,12 @@ LoRA a copy of the adapter), of the engine's update (push_s) and of its check (c
 probe's log-probs on the engine against the trainer's); push_check_s is the three together,
 median over versions 2..V of one process (version 1 is the engine's first push); then the
 engine's sampling speed through what the last push left (gen_tok_s: 8 requests x 32 tokens, eos
-ignored; with LoRA through the adapter). One process per (engine, mode): a process holds one vLLM
+ignored; 8 tokens with --quick; with LoRA through the adapter). One process per (engine, mode): a process holds one vLLM
 engine. The two modes alternate round by round; ratios are medians of per-round ratios.
 
     python experiments/lora_push.py [--quick] [--repeats 3] [--versions 6] [--engines local,vllm]
 
-Writes <results>/lora_push.csv. --quick: 1 round, 2 versions, vLLM only.
+Writes <results>/lora_push.csv. --quick: 1 round, 2 versions, vLLM only, 8 tokens per request sampled.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from periodic_async.bench.tables import write_csv
 from periodic_async.trace import log_experiment
 
 
-def push_one(engine_name: str, mode: str, versions: int, path: str) -> dict:
-    """One process: start the engine, push `versions` versions of a moving policy, check each."""
+def push_one(engine_name: str, mode: str, versions: int, path: str, gen_tokens: int) -> dict:
+    """One process: start the engine, push `versions` versions of a moving policy, check each; then
+    sample 8 requests x `gen_tokens` tokens through what the last push left."""
     from periodic_async.config import EngineConfig
     from periodic_async.engine import make_engine
     from periodic_async.engine.base import Request, SamplingParams
@@ -65,9 +66,9 @@ def push_one(engine_name: str, mode: str, versions: int, path: str) -> dict:
             rows.append({"extract_s": extract_s, "push_s": push_s, "check_s": check.last["time/verify_s"],
                          "gap": float(gaps[0]), "bytes": sum(t.numel() * t.element_size() for t in unique),
                          "tensors": len(state)})
-        # generation through what the last push left (the adapter with LoRA): 8 slots x 32 tokens each
+        # generation through what the last push left (the adapter with LoRA): 8 slots x gen_tokens each
         prompts = [probe_tokens(policy.config.vocab_size, 24, seed=s) for s in range(8)]
-        reqs = [Request(f"gen-{i}", p, 1, SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True), i)
+        reqs = [Request(f"gen-{i}", p, 1, SamplingParams(max_tokens=gen_tokens, temperature=1.0, ignore_eos=True), i)
                 for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
         tokens = sum(len(smp.token_ids) for out in engine.generate(reqs) for smp in out.samples)
@@ -82,13 +83,13 @@ def push_one(engine_name: str, mode: str, versions: int, path: str) -> dict:
     return out
 
 
-def push_rounds(engines: list[str], rounds: int, versions: int, path: str) -> list[dict]:
+def push_rounds(engines: list[str], rounds: int, versions: int, path: str, gen_tokens: int) -> list[dict]:
     """Each engine's full and LoRA processes, alternating round by round; one row per (engine, mode)."""
     runs: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(rounds):
         for engine_name in engines:
             for mode in ["full", "lora"] if rnd % 2 == 0 else ["lora", "full"]:
-                result = in_fresh_process(push_one, engine_name, mode, versions, path)
+                result = in_fresh_process(push_one, engine_name, mode, versions, path, gen_tokens)
                 print(f"[lora_push] round {rnd + 1}/{rounds} {engine_name} {mode}: {result}", flush=True)
                 runs.setdefault((engine_name, mode), []).append(result)
     rows = []
@@ -124,7 +125,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     versions = args.versions or (2 if args.quick else 6)
     engines = (args.engines or ("vllm" if args.quick else "local,vllm")).split(",")
-    rows = push_rounds(engines, args.repeats, versions, args.model)
+    rows = push_rounds(engines, args.repeats, versions, args.model, 8 if args.quick else 32)
     out = write_csv(Path(args.results) / "lora_push.csv", rows)
     for r in rows:
         print(f"{r['engine']:6s} {r['mode']:5s} {r['bytes'] / 2**20:7.1f} MiB  push+check "

@@ -13,7 +13,8 @@ process per mode and round.
 
     python experiments/lora_trimodel.py [--quick] [--repeats 3] [--model DIR]
 
-Writes <results>/lora_trimodel.csv. --quick: 1 round of a micro-batch of 1 group x 2 x 16 tokens.
+Writes <results>/lora_trimodel.csv. --quick: 1 round, a micro-batch of 1 group x 2 responses x 16 tokens
+after a 32-token prompt (the peak memory's too).
 """
 
 from __future__ import annotations
@@ -75,14 +76,14 @@ def trimodel_rounds(rounds: int, path: str, shape: tuple[int, int, int, int]) ->
     return rows
 
 
-def peak_one(mode: str, path: str) -> dict:
+def peak_one(mode: str, path: str, shape: tuple[int, int, int, int]) -> dict:
     """In a fresh process: load the policy (full or LoRA), run one tri-model micro-step (every
     model kept: beta > 0, the old policy's forward) and one optimizer step; its peak resident memory."""
     torch.set_num_threads(1)
     policy = load_policy(model_config(path, mode == "lora"))[0]
     tri = TriModel(policy, AlgorithmConfig(group_size=4, beta=0.04, skip_old_forward=False))
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6)
-    inputs = make_micro_batch(policy.config.vocab_size, *SHAPE).build(shared=True)
+    inputs = make_micro_batch(policy.config.vocab_size, *shape).build(shared=True)
     tri.micro_step(inputs, grpo.LossAccumulator("token-mean"))
     opt.step()
     # VmHWM: this process's own high-water mark (getrusage's ru_maxrss survives exec on Linux: it
@@ -95,11 +96,12 @@ def main(argv=None) -> None:
     ap = experiment_parser(__doc__, repeats=(3, 1))
     ap.add_argument("--model", default=MODEL)
     args = ap.parse_args(argv)
-    rows = trimodel_rounds(args.repeats, args.model, QUICK_SHAPE if args.quick else SHAPE)
+    shape = QUICK_SHAPE if args.quick else SHAPE
+    rows = trimodel_rounds(args.repeats, args.model, shape)
     peaks: dict[str, list[float]] = {"full": [], "lora": []}
     for rnd in range(args.repeats):
         for mode in ("full", "lora") if rnd % 2 == 0 else ("lora", "full"):
-            peaks[mode].append(in_fresh_process(peak_one, mode, args.model)["peak_rss_mib"])
+            peaks[mode].append(in_fresh_process(peak_one, mode, args.model, shape)["peak_rss_mib"])
     for row in rows:
         if row["variant"] == "all_kept":  # the process that trains with every model kept
             row["peak_rss_mib"] = statistics.median(peaks[row["mode"]])
