@@ -134,6 +134,9 @@ QUICK = {  # --quick: the same path, small (about 2 minutes on 2 quiet cores)
         "real-model": {"data.few_shot": 2, "algorithm.group_size": 4, "algorithm.prompts_per_iteration": 2,
                        "engine.max_tokens": 24, "engine.max_num_seqs": 4}},
     "batch_effect": {"setting": "long-prompt", "prompts_per_iteration": [1, 2]},  # QUICK runs long-prompt only
+    # the smoke run's long-prompt: real-model's systems (each code path once: per-response packing in
+    # periodic-async's row, a setting that runs only some systems)
+    "systems_of_setting": {"long-prompt": SYSTEMS_OF_SETTING["real-model"]},
     "repeats": 1,
 }
 
@@ -277,8 +280,9 @@ def main(argv=None) -> list[dict]:
             systems = [trl_system(plan, setting, extra, runs, model_dir_of, name, engines) for name in TRL_SYSTEMS]
             systems += [pipeline_system(plan, setting, m, shared, extra, runs, engines)
                         for m in MODES for shared in (False, True)]
-            if setting in SYSTEMS_OF_SETTING:  # a setting that runs only some systems
-                systems = [s for s in systems if s.name in SYSTEMS_OF_SETTING[setting]]
+            of_setting = {**SYSTEMS_OF_SETTING, **(QUICK["systems_of_setting"] if args.quick else {})}
+            if setting in of_setting:  # a setting that runs only some systems
+                systems = [s for s in systems if s.name in of_setting[setting]]
             res = measure(systems, repeats=plan.repeats, warmup_rounds=WARMUP_ROUNDS, ignore_settings=IGNORE)
             cfg0 = systems[len(TRL_SYSTEMS)].settings
             p_mean = round(mean_prompt_tokens(cfg0), 1)

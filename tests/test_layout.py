@@ -229,7 +229,7 @@ def test_run_all_runs_every_experiment_and_quick_reaches_each():
     assert first_lane <= listed, f"FIRST_LANE names experiments run_all.sh does not run: {first_lane - listed}"
     # the smoke run's second lane: the rest in EXPERIMENTS' order; what loads the warm start comes after it there
     second_lane = [e for e in array("EXPERIMENTS") if e not in first_lane]
-    for needs_warm_start in ("fig1_timeline", "equivalence"):
+    for needs_warm_start in ("fig1_timeline", "equivalence", "reward_curves"):
         assert needs_warm_start in second_lane and second_lane.index("warm_start") < second_lane.index(needs_warm_start)
     scripts = {p.stem for p in (root / "experiments").glob("*.sh")}
     assert scripts - listed == set(), f"experiments run_all.sh does not run: {sorted(scripts - listed)}"
