@@ -46,7 +46,7 @@ VARIANTS = {  # name: (beta, skip_old_forward, optimizer_steps_per_iteration)
 
 
 def main(argv=None) -> None:
-    ap = experiment_parser(__doc__, repeats=(8, 9))  # timed rounds, after one warm-up round
+    ap = experiment_parser(__doc__, repeats=(8, 3))  # timed rounds, after one warm-up round
     ap.add_argument("--preset", default="qwen2-5m")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--groups", type=int, default=2, help="groups in the micro-batch")
