@@ -83,7 +83,7 @@ same interleaved rounds: the paper's combined claim (shared prompt alone, asynch
 on one workload, written to shared_async_<tag>.csv in experiments/shared_async.py's format."""
 QUICK = {  # the same code paths at the smallest size
     "cpu-tuned": ["trainer.iterations=2", "algorithm.prompts_per_iteration=8", "algorithm.group_size=4",
-                  "data.num_train=1000"],
+                  "data.num_train=1000", "engine.max_tokens=16"],
     "real-model": ["trainer.iterations=2", "algorithm.prompts_per_iteration=2", "algorithm.group_size=2",
                    "engine.max_tokens=8", "data.num_train=100"],
 }

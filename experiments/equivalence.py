@@ -103,7 +103,8 @@ def main(argv=None) -> list[dict]:
     cases = args.cases.split(",") if args.cases else [c for c in CASES if not (args.quick and c.startswith("real"))]
     if unknown := [c for c in cases if c not in CASES]:
         raise SystemExit(f"--cases: {unknown} not in {list(CASES)}")
-    quick = ["trainer.iterations=2"] if args.quick else []
+    # QUICK: one resumed iteration after the first, a batch that still fills the engines' 16 slots at once
+    quick = ["trainer.iterations=2", "algorithm.prompts_per_iteration=4", "engine.max_tokens=16"] if args.quick else []
     extra = ["logging.wandb_group=equivalence"] + args.overrides
     from periodic_async.model import PRESETS
 
