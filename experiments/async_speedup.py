@@ -29,6 +29,11 @@ busy time)), figures/timeline.png (the paper's Figure 1 from the last round's ru
 in <results>/timeline/), figures/async_speedup.png; with a tag, each name carries it
 (async_speedup_real.csv, timeline_real/, ...).
 
+`lora` (beyond the paper): sync-separated and periodic-async, full fine-tuning and LoRA
+(bench/lora_setting.py, the merged push), on real-model's deployment at B=8, interleaved rounds;
+writes <results>/lora_iteration.csv (per mode and variant: tokens/s, phase times, the speedup over
+sync-separated and the ratio to full fine-tuning) and nothing else.
+
 `real-model` also runs sync-separated and periodic-async without the shared prompt
 (algorithm.shared_prompt=false), in the same interleaved rounds, and writes the paper's combined
 claim to <results>/shared_async_real.csv: shared prompt alone, asynchrony alone and both against
@@ -37,13 +42,13 @@ per-response sync-separated, each with its own bound, and their product (combine
 
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
 
 from periodic_async.bench.analysis import overlap_bound
+from periodic_async.bench.cli import experiment_parser
+from periodic_async.bench.lora_setting import RUN_OVERRIDES as LORA_OVERRIDES
 from periodic_async.bench.plots import plot_async_speedup, plot_timeline
 from periodic_async.bench.protocol import SharedEngines, System, measure
 from periodic_async.bench.tables import write_csv
@@ -66,17 +71,23 @@ SETTINGS = {  # name: (config, output tag, overrides, {mode: overrides replacing
     "real-model": ("async_speedup_real.yaml", "real", [], {
         "sync-separated": ["algorithm.micro_batch_tokens=4096"],
         "sync-colocated": ["trainer.threads=2", "engine.threads_per_worker=2", "algorithm.micro_batch_tokens=4096"]}),
+    # real-model's deployment at B=8: one measured iteration per run (the first is start-up)
+    "lora": ("async_speedup_real.yaml", "lora", ["algorithm.prompts_per_iteration=8", "trainer.iterations=2"], {
+        "sync-separated": ["algorithm.micro_batch_tokens=4096"]}),
 }
+LORA_VARIANTS = {"full": [], "lora": LORA_OVERRIDES}
+"""The `lora` setting's systems: sync-separated and periodic-async, each with full fine-tuning and with LoRA."""
 PER_RESPONSE = {"real-model"}
 """Settings that also run sync-separated and periodic-async with algorithm.shared_prompt=false, in the
 same interleaved rounds: the paper's combined claim (shared prompt alone, asynchrony alone, both)
 on one workload, written to shared_async_<tag>.csv in experiments/shared_async.py's format."""
 QUICK = {  # the same code paths at the smallest size
     "cpu-tuned": ["trainer.iterations=2", "algorithm.prompts_per_iteration=8", "algorithm.group_size=4",
-                  "data.num_train=1000"],
+                  "data.num_train=1000", "engine.max_tokens=16"],
     "real-model": ["trainer.iterations=2", "algorithm.prompts_per_iteration=2", "algorithm.group_size=2",
                    "engine.max_tokens=8", "data.num_train=100"],
 }
+QUICK["lora"] = QUICK["real-model"]
 
 
 SHARED_ASYNC_COLUMNS = ["shared_prompt", "mode", "tokens_per_s", "speedup", "mean_generate_s", "mean_train_s",
@@ -110,17 +121,34 @@ def combined_rows(shared: dict, per_response: dict) -> list[dict]:
     return rows
 
 
+def write_lora_rows(res: dict, path: Path) -> list[dict]:
+    """The `lora` setting's table: per mode and variant, tokens/s, the phases, the speedup over
+    sync-separated of the same variant and the ratio to full fine-tuning in the same mode."""
+    rows = []
+    for name, r in res.items():
+        variant, mode = name.split("/")
+        same_variant_sync, same_mode_full = res[f"{variant}/sync-separated"], res[f"full/{mode}"]
+        rows.append({"mode": mode, "variant": variant, **r.row(["tokens_per_s"], 1),
+                     **{k: round(r.stats(k).median, 3) for k in ("mean_iteration_s", "mean_generate_s",
+                                                                 "mean_train_s", "mean_sync_s")},
+                     "speedup_vs_sync_separated": round(r.ratio(same_variant_sync).median, 3),
+                     "tokens_per_s_vs_full": round(r.ratio(same_mode_full).median, 3),
+                     "tokens_per_s_vs_full_min": round(r.ratio(same_mode_full).min, 3),
+                     "tokens_per_s_vs_full_max": round(r.ratio(same_mode_full).max, 3),
+                     "measured_iterations": r.measured_iterations, **r.provenance()})
+    write_csv(path, rows)
+    for r in rows:
+        print(f"{r['variant']:5s} {r['mode']:15s} {r['tokens_per_s']:7.1f} tokens/s "
+              f"(x{r['speedup_vs_sync_separated']:.2f} sync-separated, x{r['tokens_per_s_vs_full']:.2f} full)")
+    print(f"[async_speedup] wrote {path}")
+    return rows
+
+
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--runs", default="runs/async_speedup")
-    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap = experiment_parser(__doc__, runs="runs/async_speedup", repeats=(3, 1), figures=True, overrides=True)
     ap.add_argument("--settings", choices=sorted(SETTINGS), default="cpu-tuned", help="the workload and deployment")
-    ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats
     config_name, tag, setting_overrides, mode_overrides = SETTINGS[args.settings]
     config = HERE / config_name
     name = f"async_speedup_{tag}" if tag else "async_speedup"
@@ -130,7 +158,7 @@ def main(argv=None) -> list[dict]:
     from periodic_async.model import PRESETS
 
     if base.model.name_or_path not in PRESETS and not Path(base.model.name_or_path).is_dir():
-        if args.settings == "real-model":
+        if config_name == "async_speedup_real.yaml":
             sys.exit(f"[async_speedup] {base.model.name_or_path} not found: "
                      "python -m periodic_async prepare-model smollm2-135m")
         print(f"[async_speedup] {base.model.name_or_path} not found (run `bash run_all.sh` for the warm start); "
@@ -147,13 +175,19 @@ def main(argv=None) -> list[dict]:
                           + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{label}"])
         return System(label, lambda: run(cfg, engine=engines.get(cfg)), cfg)
 
-    systems = [system(mode, mode, []) for mode in MODES]
+    if args.settings == "lora":
+        systems = [system(f"{variant}/{mode}", mode, more) for variant, more in LORA_VARIANTS.items()
+                   for mode in MODES[:2]]
+    else:
+        systems = [system(mode, mode, []) for mode in MODES]
     if args.settings in PER_RESPONSE:
         systems += [system(f"per-response-{mode}", mode, ["algorithm.shared_prompt=false"]) for mode in MODES[:2]]
     try:
         res = measure(systems, repeats=repeats, ignore_settings=("trainer.output_dir",))
     finally:
         engines.close()
+    if args.settings == "lora":
+        return write_lora_rows(res, Path(args.results) / "lora_iteration.csv")
     per_response = {m: res.pop(f"per-response-{m}") for m in MODES[:2] if f"per-response-{m}" in res}
     sync, asyn = res["sync-separated"], res["periodic-async"]
     t_gen, t_train = sync.stats("mean_generate_s").median, sync.stats("mean_train_s").median

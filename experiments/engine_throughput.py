@@ -32,7 +32,6 @@ pass. Writes $RESULTS_DIR/engine.csv, weight_sync.csv and vllm_push.csv.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
@@ -45,6 +44,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from periodic_async.bench.cli import experiment_parser  # noqa: E402
 from periodic_async.bench.hf_generate import HFWorkers  # noqa: E402
 from periodic_async.bench.protocol import System, measure  # noqa: E402
 from periodic_async.bench.tables import write_csv  # noqa: E402
@@ -219,16 +219,12 @@ def compare(model_cfg, label, workers, workload, repeats, max_num_seqs, kv_gib, 
     return rows, push, sync
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small models and workloads")
-    ap.add_argument("--repeats", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
-    ap.add_argument("--results-dir", default=os.environ.get("RESULTS_DIR", "results"))
+def main(argv=None) -> None:
+    ap = experiment_parser(__doc__, runs="runs/engine_throughput", repeats=(3, 1))
     ap.add_argument("--tokenizer", default="artifacts/tokenizer")
-    ap.add_argument("--runs", default="runs/engine_throughput")
     ap.add_argument("--no-real-model", action="store_true", help="the tiny preset only")
-    args = ap.parse_args()
-    repeats = args.repeats or (1 if args.quick else 3)
+    args = ap.parse_args(argv)
+    repeats = args.repeats
     tiny = "qwen2-1m" if args.quick else "qwen2-5m"
     tiny_workload = dict(n_prompts=16, group=4, uniform_tokens=32) if args.quick else \
         dict(n_prompts=64, group=4, uniform_tokens=96)
@@ -236,7 +232,7 @@ def main() -> None:
         dict(n_prompts=8, group=4, uniform_tokens=64)
     tok_dir = str(Path(args.tokenizer).resolve())
     ensure_tokenizer(tok_dir)
-    out_dir = Path(args.results_dir)
+    out_dir = Path(args.results)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     from periodic_async.engine.ray_engine import init_ray

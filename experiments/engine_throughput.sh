@@ -10,6 +10,6 @@ export WANDB_RUN_GROUP=engine_throughput   # the W&B group of this experiment's 
 export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 RESULTS_DIR="${RESULTS_DIR:-results}"
 [ "${QUICK:-0}" = 1 ] || python -m periodic_async prepare-model smollm2-135m   # the real model (once; idempotent)
-args=(--results-dir "$RESULTS_DIR")
+args=(--results "$RESULTS_DIR")
 if [ "${QUICK:-0}" = "1" ]; then args+=(--quick); fi
 python experiments/engine_throughput.py "${args[@]}"

@@ -29,13 +29,12 @@ identical_fraction, max_abs_weight_diff, max_abs_weight_change, trained_in_other
 
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
 
 from periodic_async.bench.analysis import compare_iteration
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_equivalence
 from periodic_async.bench.tables import STAMP, read_csv, write_csv
 from periodic_async.config import RunConfig, load_config
@@ -96,20 +95,16 @@ def run_case(case: str, overrides: list[str], backend: str, runs: Path) -> list[
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--runs", default="runs/equivalence")
-    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap = experiment_parser(__doc__, runs="runs/equivalence", figures=True, overrides=True)
     ap.add_argument("--cases", default=None, help=f"comma-separated cases (default: all of {list(CASES)}); "
                     "the other cases' rows of an earlier run are kept")
-    ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     # QUICK runs the same code on the tiny model's cases (the real-model cases differ only in config)
     cases = args.cases.split(",") if args.cases else [c for c in CASES if not (args.quick and c.startswith("real"))]
     if unknown := [c for c in cases if c not in CASES]:
         raise SystemExit(f"--cases: {unknown} not in {list(CASES)}")
-    quick = ["trainer.iterations=2"] if args.quick else []
+    # QUICK: one resumed iteration after the first, a batch that still fills the engines' 16 slots at once
+    quick = ["trainer.iterations=2", "algorithm.prompts_per_iteration=4", "engine.max_tokens=16"] if args.quick else []
     extra = ["logging.wandb_group=equivalence"] + args.overrides
     from periodic_async.model import PRESETS
 

@@ -18,13 +18,12 @@ The phases and orders are computed by `bench.analysis.iteration_phases` and `tra
 
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
 
 from periodic_async.bench.analysis import iteration_phases, trained_orders
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_fig1
 from periodic_async.bench.protocol import SharedEngines
 from periodic_async.bench.tables import write_csv
@@ -37,13 +36,7 @@ COLUMNS = ["mode", "iteration", "wall_s", "first_group_s", "train_start_s", "gen
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--runs", default="runs/fig1_timeline")
-    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = experiment_parser(__doc__, runs="runs/fig1_timeline", figures=True, overrides=True).parse_args(argv)
     from periodic_async.config import RunConfig, load_config
     from periodic_async.pipeline import run
 

@@ -27,12 +27,12 @@ and what the pipeline loses when its phases overlap comes from the processes the
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.tables import write_csv
 from periodic_async.parallel.affinity import available_cores
 
@@ -110,12 +110,10 @@ def run_case(procs, cores, seconds: float, model: str, tokenizer: str) -> dict[s
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = experiment_parser(__doc__, repeats=(3, 3), quick=False)
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--models", nargs="+", default=["artifacts/sft-qwen2-1m", "artifacts/smollm2-135m-instruct"])
     ap.add_argument("--tokenizer", default="artifacts/tokenizer")
-    ap.add_argument("--results", default="results")
     args = ap.parse_args(argv)
     cores = available_cores()
     if len(cores) < 2:

@@ -23,11 +23,11 @@ git_commit (the runs').
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.tables import write_csv
 from periodic_async.scale.calibrate import fit_costs, load_run, simulate_measured
 from periodic_async.scale.simulate import Deployment, simulate_iteration
@@ -38,9 +38,9 @@ def _median(xs) -> float:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", default="runs/reward_curves/reward_curves_real_time")
-    ap.add_argument("--results", default="results")
+    ap = experiment_parser(__doc__, quick=False)
+    ap.add_argument("--runs", default="runs/reward_curves/reward_curves_real_time",
+                    help="the two measured runs (sync-separated/, periodic-async/)")
     ap.add_argument("--engines", type=int, nargs="+", default=[1, 2, 4, 8])
     args = ap.parse_args(argv)
     runs = {m: load_run(Path(args.runs) / m, name=m) for m in ("sync-separated", "periodic-async")}

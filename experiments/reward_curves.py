@@ -39,53 +39,18 @@ How the settings were chosen (the lr, schedule and task searched): docs/notes/re
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
 import sys
-import time
 from pathlib import Path
 
-from periodic_async.bench.analysis import identical_iterations, max_abs_diff, paired_gain_stderr
-from periodic_async.bench.plots import plot_reward_curves, plot_reward_vs_time
+from periodic_async.bench.cli import experiment_parser
+from periodic_async.bench.curves import MODES, run_curves, write_curves
 from periodic_async.bench.protocol import SharedEngines
-from periodic_async.bench.tables import write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.model import PRESETS
-from periodic_async.pipeline import run
-from periodic_async.trace import read_jsonl
 
 HERE = Path(__file__).resolve().parent
-MODES = ["sync-separated", "periodic-async", "async-offpolicy"]
 QUICK = ["trainer.iterations=2", "trainer.eval_every=1", "data.num_train=1000", "data.num_eval=10",
          "algorithm.prompts_per_iteration=4", "algorithm.warmup_steps=1"]
-STATS = {"entropy": "train/entropy", "grad_norm": "train/grad_norm", "kl": "train/kl", "clip_frac": "train/clip_frac",
-         "ratio_mean": "train/ratio_mean", "ratio_abs_dev": "train/ratio_abs_dev",
-         "behaviour_logp_gap": "train/behaviour_logp_gap"}
-
-
-def _r(x, nd=4):
-    return "" if x is None or x == "" else round(float(x), nd)
-
-
-def curve_rows(mode: str, out: Path) -> list[dict]:
-    """One row per iteration 0..N of one run (iteration = optimizer steps completed)."""
-    metrics = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl") if "reward/mean" in m}
-    evals = {e["step"]: e for e in read_jsonl(out / "eval.jsonl")} if (out / "eval.jsonl").is_file() else {}
-    mixed: dict[int, list[bool]] = {}
-    for g in read_jsonl(out / "rollouts.jsonl"):
-        mixed.setdefault(g["iteration"] + 1, []).append(0 < sum(g["correct"]) < len(g["correct"]))
-    rows, clock = [], 0.0
-    for step in range(0, max([*metrics, *evals, 0]) + 1):
-        m, e = metrics.get(step, {}), evals.get(step, {})
-        clock += m.get("time/iteration_s", 0.0)
-        row = {"mode": mode, "iteration": step, "time_s": round(clock, 2), "reward_mean": _r(m.get("reward/mean")),
-               "accuracy": _r(m.get("accuracy")), "eval_accuracy": _r(e.get("accuracy")),
-               "eval_stderr": _r(e.get("stderr")), "eval_n": e.get("n", ""),
-               "mixed_frac": _r(sum(mixed[step]) / len(mixed[step])) if step in mixed else ""}
-        row.update({k: _r(m.get(key), 6) for k, key in STATS.items()})
-        rows.append(row)
-    return rows
 
 
 def _modes(text: str) -> list[str]:
@@ -97,16 +62,11 @@ def _modes(text: str) -> list[str]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 iterations, 20 held-out problems")
-    ap.add_argument("--results", default=os.environ.get("RESULTS_DIR", "results"))
-    ap.add_argument("--runs", default="runs/reward_curves")
-    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap = experiment_parser(__doc__, runs="runs/reward_curves", figures=True, overrides=True)
     ap.add_argument("--config", default=str(HERE / "reward_curves.yaml"),
                     help="the experiment (e.g. experiments/reward_curves_real.yaml)")
     ap.add_argument("--tag", default="", help="suffix of the outputs: reward_curves_<tag>.csv, ...")
     ap.add_argument("--modes", type=_modes, default=MODES, help="comma-separated modes to run, in this order")
-    ap.add_argument("overrides", nargs="*", help="section.key=value, applied to every mode")
     args = ap.parse_intermixed_args(argv)
     extra = (QUICK if args.quick else []) + list(args.overrides)
     config = Path(args.config)
@@ -119,55 +79,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"{base.model.name_or_path} (model.name_or_path of {config}) does not exist: "
                          + how.get(base.model.name_or_path.rstrip("/"), "`bash experiments/reward_curves.sh`")
                          + " builds it")
-    rows, summary, outs = {}, [], {}
     engines = SharedEngines()  # started once; each mode's run pushes its own initial weights
     try:
-        for mode in args.modes:
-            cfg = load_config(RunConfig, config,
-                              extra + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{mode}"])
-            engine = engines.get(cfg)
-            cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.time()
-            s = run(cfg, engine=engine)
-            cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-            wall = time.time() - t0
-            outs[mode] = Path(cfg.trainer.output_dir)
-            rows[mode] = curve_rows(mode, outs[mode])
-            ev = [r for r in rows[mode] if r["eval_accuracy"] != ""]
-            first, last = ev[0], ev[-1]
-            summary.append({
-                "mode": mode, "eval_accuracy_start": first["eval_accuracy"],
-                "eval_accuracy_end": last["eval_accuracy"],
-                "eval_stderr": last["eval_stderr"], "eval_n": last["eval_n"], "max_abs_diff_vs_sync": "",
-                "tokens_per_s": round(s["tokens_per_s"], 1),
-                "gain": round(last["eval_accuracy"] - first["eval_accuracy"], 4),
-                # the two ends as independent samples: conservative (they are the same problems)
-                "gain_stderr": round((first["eval_stderr"] ** 2 + last["eval_stderr"] ** 2) ** 0.5, 4),
-                "gain_stderr_paired": _r(paired_gain_stderr(outs[mode], first["iteration"], last["iteration"])),
-                "eval_stderr_start": first["eval_stderr"], "eval_points": len(ev),
-                "max_abs_diff_reward": "", "max_abs_diff_eval": "", "tokens_identical_iterations": "",
-                "wall_s": round(wall, 1),
-                "cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1),
-                "git_commit": json.loads((outs[mode] / "run_info.json").read_text())["git_commit"],
-            })
-            print(f"[reward_curves] {mode}: held-out {first['eval_accuracy']} -> {last['eval_accuracy']} "
-                  f"(n={last['eval_n']}), {summary[-1]['wall_s']} s")
+        rows, summary = run_curves(config, name, args.modes, extra, args.runs, engines)
     finally:
         engines.close()
-    sync = "sync-separated"
-    for s in summary:
-        if sync in rows:
-            dr = max_abs_diff(rows[s["mode"]], rows[sync], "reward_mean")
-            de = max_abs_diff(rows[s["mode"]], rows[sync], "eval_accuracy")
-            s.update(max_abs_diff_reward=_r(dr, 6), max_abs_diff_eval=_r(de, 6),
-                     max_abs_diff_vs_sync=_r(max(dr or 0.0, de or 0.0), 6),
-                     tokens_identical_iterations=identical_iterations(outs[s["mode"]], outs[sync]))
-    res = Path(args.results)
-    commit = {s["mode"]: s["git_commit"] for s in summary}  # each run's tree (the machine: write_csv's stamp)
-    for file, table in ((f"{name}.csv", [{**r, "git_commit": commit[m]} for m in rows for r in rows[m]]),
-                        (f"{name}_summary.csv", summary)):
-        print(f"wrote {write_csv(res / file, table)}")
-    print(f"wrote {plot_reward_curves(res / f'{name}.csv', Path(args.figures) / f'{name}.png')}")
-    print(f"wrote {plot_reward_vs_time(res / f'{name}.csv', Path(args.figures) / f'{name}_wallclock.png')}")
+    write_curves(name, rows, summary, args.results, args.figures)
     for s in summary:
         print(s)
 

@@ -32,7 +32,6 @@ and <figures>/scaling.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -41,6 +40,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict
 from periodic_async.bench.tables import read_csv, write_csv
 from periodic_async.scale.calibrate import (MeasuredRun, fit_costs, load_gpu_check, load_run, measured_device_file,
@@ -196,21 +196,14 @@ def predictions(device_types: list[str], totals: list[int], costs_path=DEFAULT_C
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 2; 1 with --quick)")
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--runs", default="runs/scaling")
-    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap = experiment_parser(__doc__, runs="runs/scaling", repeats=(2, 1), figures=True, overrides=True)
     ap.add_argument("--device-types", default="H100-SXM-80GB,Ascend-910B")
     ap.add_argument("--trainer-ranks", action="store_true",
                     help="also measure sync-separated with 1 and 2 torchrun trainer ranks (distributed.py)")
     ap.add_argument("--gpu-results", default="results/gpu",
                     help="a GPU check's CSVs (scripts/gpu_check.sh): predictions on its measured costs too")
     ap.add_argument("--predictions-only", action="store_true", help="skip the CPU measurement and its calibration")
-    ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 2)
     extra = ["trainer.iterations=2", "algorithm.prompts_per_iteration=4", "data.num_train=1000"] if args.quick else []
     out = Path(args.results)
     measured_rows, sim_rows = [], []

@@ -16,10 +16,10 @@ async-only speedup, to compare with the measured joint speedup.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.protocol import SharedEngines, System, measure
 from periodic_async.bench.tables import write_csv
 from periodic_async.config import RunConfig, load_config
@@ -44,14 +44,8 @@ def run_with_prompt_length(cfg: RunConfig, engines: SharedEngines) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--runs", default="runs/shared_async")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 3)
+    args = experiment_parser(__doc__, runs="runs/shared_async", repeats=(3, 1), overrides=True).parse_args(argv)
+    repeats = args.repeats
     extra = ["data.few_shot=4", "algorithm.prompts_per_iteration=32", "algorithm.micro_batch_tokens=2048"]
     base = load_config(RunConfig, HERE / "async_speedup.yaml")
     if not Path(base.model.name_or_path).is_dir():

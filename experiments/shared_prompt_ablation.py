@@ -25,14 +25,13 @@ and figures/shared_prompt.png (`bench.plots.plot_shared_prompt`, also called by 
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_shared_prompt
 from periodic_async.bench.tables import read_csv, write_csv
 
@@ -148,15 +147,11 @@ def main(argv=None) -> None:
     from periodic_async.trace import log_experiment
     from periodic_async.data.tokenizer import ensure_tokenizer
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny grid (< 1 min)")
-    ap.add_argument("--results-dir", default="results")
-    ap.add_argument("--figures-dir", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap = experiment_parser(__doc__, repeats=(5, 3), figures=True)  # --quick: a tiny grid (< 1 min)
     ap.add_argument("--preset", default="qwen2-1m")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads; 1 by default: the ratios are stable on a shared machine")
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokenizer", default="artifacts/tokenizer")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -165,7 +160,7 @@ def main(argv=None) -> None:
     grid = [(P, G, R) for P in (512, 1024) for G in (8, 16) for R in (32, 64, 128)]
     repeats = args.repeats
     if args.quick:
-        grid, repeats = [(128, 4, 16), (256, 8, 32)], 3
+        grid = [(128, 4, 16), (256, 8, 32)]
     tok = ensure_tokenizer(args.tokenizer)
     model = build_model(ModelConfig(name_or_path=args.preset, tokenizer=args.tokenizer, dtype="float32",
                                     device=str(device)), tok)
@@ -174,8 +169,8 @@ def main(argv=None) -> None:
     for P, G, R in grid:
         rows += [{**r, "model": args.preset, "repeats": repeats}
                  for r in measure_point(model, P, G, R, backends, repeats, device)]
-    out = write_csv(Path(args.results_dir) / "shared_prompt.csv", rows, COLUMNS)
-    png = plot_shared_prompt(out, Path(args.figures_dir) / "shared_prompt.png")
+    out = write_csv(Path(args.results) / "shared_prompt.csv", rows, COLUMNS)
+    png = plot_shared_prompt(out, Path(args.figures) / "shared_prompt.png")
     log_experiment("shared_prompt_ablation", [out], [png])  # W&B (offline unless WANDB_MODE=online)
     print(f"wrote {out} and {png}")
     for r in read_csv(out):  # the rows as written, stamped

@@ -11,6 +11,6 @@ source scripts/setup_env.sh
 export WANDB_RUN_GROUP=shared_prompt_ablation   # the W&B group of this experiment's runs
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 RESULTS_DIR="${RESULTS_DIR:-results}"
-ARGS=(--results-dir "$RESULTS_DIR")
+ARGS=(--results "$RESULTS_DIR")
 if [[ "${QUICK:-0}" == "1" ]]; then ARGS+=(--quick); fi
 python experiments/shared_prompt_ablation.py "${ARGS[@]}" "$@"

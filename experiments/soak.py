@@ -37,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.tables import read_csv, write_csv
 
 HERE = Path(__file__).resolve().parent
@@ -156,14 +157,12 @@ def summarize(csv_path: Path, warmup: int) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = experiment_parser(__doc__, runs="runs/soak", quick=False)  # QUICK: soak.sh gives fewer iterations
     p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--stop-at", type=int, default=60, help="leg 1 ends here; leg 2 resumes from its checkpoint")
     p.add_argument("--kill-at", type=int, default=130, help="leg 2 SIGKILLs engine worker 1 here")
     p.add_argument("--every", type=int, default=5, help="sample every N iterations")
     p.add_argument("--warmup", type=int, default=10, help="iterations of each process left out of its fit")
-    p.add_argument("--results", default="results")
-    p.add_argument("--runs", default="runs/soak")
     p.add_argument("--leg", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--csv", default="", help=argparse.SUPPRESS)
     p.add_argument("--t0", type=float, default=0.0, help=argparse.SUPPRESS)

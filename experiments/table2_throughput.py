@@ -27,13 +27,12 @@ results/table2_token_check.csv (TRL's count and ours per step), results/table2_b
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_table2
 from periodic_async.bench.protocol import SharedEngines, System, flatten, measure
 from periodic_async.bench.tables import read_csv, write_csv
@@ -135,6 +134,9 @@ QUICK = {  # --quick: the same path, small (about 2 minutes on 2 quiet cores)
         "real-model": {"data.few_shot": 2, "algorithm.group_size": 4, "algorithm.prompts_per_iteration": 2,
                        "engine.max_tokens": 24, "engine.max_num_seqs": 4}},
     "batch_effect": {"setting": "long-prompt", "prompts_per_iteration": [1, 2]},  # QUICK runs long-prompt only
+    # the smoke run's long-prompt: real-model's systems (each code path once: per-response packing in
+    # periodic-async's row, a setting that runs only some systems)
+    "systems_of_setting": {"long-prompt": SYSTEMS_OF_SETTING["real-model"]},
     "repeats": 1,
 }
 
@@ -236,18 +238,12 @@ def mean_prompt_tokens(cfg: RunConfig) -> float:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--results", default=os.environ.get("RESULTS_DIR", "results"))
-    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
-    ap.add_argument("--runs", default="runs/table2")
+    ap = experiment_parser(__doc__, runs="runs/table2", repeats=(REPEATS, QUICK["repeats"]), figures=True,
+                           overrides=True)
     ap.add_argument("--config", default=str(HERE / "table2_throughput.yaml"), help="the run config every system shares")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help=f"measured rounds (default {REPEATS}; {QUICK['repeats']} with --quick)")
     ap.add_argument("--settings", default=None,
                     help=f"comma-separated settings to run (default: all of {', '.join(SETTINGS)}), e.g. real-model")
     ap.add_argument("--no-batch-effect", action="store_true", help="skip the batch-size sweep")
-    ap.add_argument("overrides", nargs="*", help="section.key=value for every system (e.g. model.name_or_path=...)")
     args = ap.parse_args(argv)
     plan = Plan.of(Path(args.config), args.quick, args.settings.split(",") if args.settings else None, args.repeats)
     extra = list(args.overrides)
@@ -284,8 +280,9 @@ def main(argv=None) -> list[dict]:
             systems = [trl_system(plan, setting, extra, runs, model_dir_of, name, engines) for name in TRL_SYSTEMS]
             systems += [pipeline_system(plan, setting, m, shared, extra, runs, engines)
                         for m in MODES for shared in (False, True)]
-            if setting in SYSTEMS_OF_SETTING:  # a setting that runs only some systems
-                systems = [s for s in systems if s.name in SYSTEMS_OF_SETTING[setting]]
+            of_setting = {**SYSTEMS_OF_SETTING, **(QUICK["systems_of_setting"] if args.quick else {})}
+            if setting in of_setting:  # a setting that runs only some systems
+                systems = [s for s in systems if s.name in of_setting[setting]]
             res = measure(systems, repeats=plan.repeats, warmup_rounds=WARMUP_ROUNDS, ignore_settings=IGNORE)
             cfg0 = systems[len(TRL_SYSTEMS)].settings
             p_mean = round(mean_prompt_tokens(cfg0), 1)

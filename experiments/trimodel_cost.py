@@ -19,18 +19,18 @@ and the parameter bytes of the models each variant keeps. Writes one CSV row per
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from periodic_async import grpo
-from periodic_async.batching import MicroBatch, GroupSlice
+from periodic_async.bench.cli import experiment_parser
+from periodic_async.bench.micro_batch import make_micro_batch
 from periodic_async.bench.tables import write_csv
 from periodic_async.config import AlgorithmConfig, ModelConfig
-from periodic_async.group import Group
 from periodic_async.model import build_model, num_parameters
 from periodic_async.shared_prompt import token_logprobs
 from periodic_async.data.tokenizer import ensure_tokenizer
@@ -45,36 +45,19 @@ VARIANTS = {  # name: (beta, skip_old_forward, optimizer_steps_per_iteration)
 }
 
 
-def make_micro_batch(vocab: int, groups: int, group_size: int, prompt_len: int, response_len: int,
-                     seed: int = 0) -> MicroBatch:
-    rng = random.Random(seed)
-    slices = []
-    for b in range(groups):
-        responses = [[rng.randrange(4, vocab) for _ in range(response_len)] for _ in range(group_size)]
-        rewards = [float(rng.randint(0, 1)) for _ in range(group_size)]
-        g = Group(b, 0, 0, [rng.randrange(4, vocab) for _ in range(prompt_len)], responses,
-                  [[-1.0] * response_len] * group_size, rewards, grpo.group_advantages(rewards).tolist())
-        slices.append(GroupSlice(g, tuple(range(group_size))))
-    return MicroBatch(slices)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> None:
+    ap = experiment_parser(__doc__, repeats=(8, 3))  # timed rounds, after one warm-up round
     ap.add_argument("--preset", default="qwen2-5m")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--groups", type=int, default=2, help="groups in the micro-batch")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--response-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=8, help="timed rounds (after one warm-up round)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokenizer", default="artifacts/tokenizer")
-    ap.add_argument("--quick", action="store_true", help="qwen2-1m, small micro-batch, 9 rounds")
-    ap.add_argument("--out", default="results/trimodel_cost.csv")
-    args = ap.parse_args()
-    if args.quick:
-        args.preset, args.groups, args.group_size, args.prompt_len, args.response_len, args.repeats = \
-            "qwen2-1m", 2, 4, 48, 24, 9
+    args = ap.parse_args(argv)
+    if args.quick:  # qwen2-1m, a small micro-batch
+        args.preset, args.groups, args.group_size, args.prompt_len, args.response_len = "qwen2-1m", 2, 4, 48, 24
     torch.set_num_threads(args.threads)
 
     tokenizer = ensure_tokenizer(args.tokenizer)
@@ -120,7 +103,7 @@ def main() -> None:
             "ratio_vs_policy_only": round(statistics.median(t / b for t, b in zip(ts, base)), 3),
             **mem, "memory_ratio": round(mem["total_bytes"] / one, 3),
         })
-    out = write_csv(args.out, rows)
+    out = write_csv(Path(args.results) / "trimodel_cost.csv", rows)
     for r in rows:
         print(f"{r['variant']:20s} {r['median_ms']:9.2f} ms  x{r['ratio_vs_policy_only']:.2f} time  "
               f"x{r['memory_ratio']:.0f} weights ({r['total_bytes'] / 2**20:.1f} MiB)")

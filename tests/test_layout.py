@@ -175,6 +175,46 @@ def test_experiment_loads_are_found():
     assert experiment_loads("subprocess.run([sys.executable, 'experiments/fig1_timeline.py'])", experiments) == []
 
 
+def experiment_parsers(source: str) -> list[str]:
+    """The parsers an experiment's source builds itself (`argparse.ArgumentParser(...)`)
+    instead of bench/cli.py's `experiment_parser`."""
+    return [ast.unparse(n.func) for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] == "ArgumentParser"]
+
+
+def test_no_experiment_loads_another():
+    """One script per claim: what experiments share lives in the package (bench/), so no
+    experiments/*.py imports another experiment or changes `sys.path` to reach one (running one as
+    a process of its own, as a user does, is allowed), and each takes the common options
+    (--quick, --repeats, --results, --runs, --figures) from bench/cli.py's one parser."""
+    scripts = sorted(EXPERIMENTS.glob("*.py"))
+    experiments = {p.stem for p in scripts}
+    assert {"lora_push", "lora_trimodel", "lora_learning", "trimodel_cost", "reward_curves"} <= experiments
+    loads = {p.name: found for p in scripts if (found := experiment_loads(p.read_text(), experiments))}
+    assert not loads, f"experiments that load other experiments: {loads}"
+    own = {p.name: found for p in scripts if (found := experiment_parsers(p.read_text()))}
+    assert not own, f"experiments that build their own parser (bench/cli.py's experiment_parser has the options): {own}"
+    assert all("experiment_parser(" in p.read_text() for p in scripts)
+
+
+def test_an_experiment_loading_another_is_found():
+    """Negative control: the LoRA experiment as it was (one file reaching two others through
+    `sys.path`) and a hand-built parser are reported."""
+    before = """import argparse, sys
+def trimodel_rounds():
+    sys.path.insert(0, str(HERE))
+    from trimodel_cost import make_micro_batch
+def learning():
+    sys.path.insert(0, str(HERE))
+    import reward_curves
+    ap = argparse.ArgumentParser(description=__doc__)
+"""
+    assert sorted(experiment_loads(before, {"trimodel_cost", "reward_curves", "lora"})) == [
+        "from trimodel_cost import ...", "import reward_curves", "sys.path.insert(...)", "sys.path.insert(...)"]
+    assert experiment_parsers(before) == ["argparse.ArgumentParser"]
+    assert experiment_parsers("ap = experiment_parser(__doc__, runs='runs/x')") == []
+
+
 def test_run_all_runs_every_experiment_and_quick_reaches_each():
     """`bash run_all.sh` runs every experiments/<name>.sh, and each script reads QUICK (so
     `QUICK=1 bash run_all.sh` runs every experiment's code path at its smoke size)."""
@@ -189,7 +229,7 @@ def test_run_all_runs_every_experiment_and_quick_reaches_each():
     assert first_lane <= listed, f"FIRST_LANE names experiments run_all.sh does not run: {first_lane - listed}"
     # the smoke run's second lane: the rest in EXPERIMENTS' order; what loads the warm start comes after it there
     second_lane = [e for e in array("EXPERIMENTS") if e not in first_lane]
-    for needs_warm_start in ("fig1_timeline", "equivalence"):
+    for needs_warm_start in ("fig1_timeline", "equivalence", "reward_curves"):
         assert needs_warm_start in second_lane and second_lane.index("warm_start") < second_lane.index(needs_warm_start)
     scripts = {p.stem for p in (root / "experiments").glob("*.sh")}
     assert scripts - listed == set(), f"experiments run_all.sh does not run: {sorted(scripts - listed)}"
