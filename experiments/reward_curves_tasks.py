@@ -3,7 +3,7 @@ basic_arithmetic, each scored by the task's own verifier (data.source: reasoning
 
     bash experiments/reward_curves_tasks.sh                 (QUICK=1: a smoke run on a tiny preset)
     python experiments/reward_curves_tasks.py [--quick] [--tasks gsm_symbolic,basic_arithmetic]
-        [--results results] [section.key=value ...]
+        [--variants sync-separated,periodic-async,...] [--results results] [section.key=value ...]
 
 Per task (its settings: TASKS below, on top of reward_curves_tasks.yaml, which says why these two):
   1. base        the model as prepared: held-out greedy accuracy through the engines (a run of 0
@@ -34,13 +34,12 @@ Writes
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from periodic_async.bench.analysis import paired_gain_stderr
+from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_reward_curves
 from periodic_async.bench.protocol import SharedEngines
 from periodic_async.bench.tables import write_csv
@@ -134,19 +133,20 @@ def summary_row(task: str, name: str, out: Path, rows: list[dict], base: dict) -
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smoke run: a tiny preset, 2 iterations, 8 held-out entries")
+    ap = experiment_parser(__doc__, runs="runs/reward_curves_tasks", figures=True, overrides=True)
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
-    ap.add_argument("--results", default=os.environ.get("RESULTS_DIR", "results"))
-    ap.add_argument("--runs", default="runs/reward_curves_tasks")
-    ap.add_argument("--figures", default=os.environ.get("FIGURES_DIR", "figures"))
+    ap.add_argument("--variants", default=",".join(variant(*v) for v in VARIANTS),
+                    help="comma-separated, in this order (sync-separated first: the others are compared with it)")
     ap.add_argument("--config", default=str(HERE / "reward_curves_tasks.yaml"))
-    ap.add_argument("overrides", nargs="*", help="section.key=value, applied to every run")
     args = ap.parse_intermixed_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise SystemExit(f"--tasks: unknown {unknown}; expected some of {', '.join(TASKS)}")
+    names = {variant(*v): v for v in VARIANTS}
+    chosen = [names[n] for n in args.variants.split(",") if n in names]
+    if len(chosen) != len([n for n in args.variants.split(",") if n]):
+        raise SystemExit(f"--variants: {args.variants}; expected some of {', '.join(names)}")
     runs, res = Path(args.runs), Path(args.results)
     curves, summary, figures = [], [], []
     engines = SharedEngines()  # one per configuration; each run pushes its own initial weights
@@ -172,7 +172,7 @@ def main(argv=None) -> None:
                 f"logging.wandb_mode={cfg.logging.wandb_mode}", *spec["sft"], *(QUICK_SFT if args.quick else [])]))
             # 3. RL from the warm start, every variant from one seed
             task_rows: dict[str, list[dict]] = {}
-            for mode, dynamic in VARIANTS:
+            for mode, dynamic in chosen:
                 name = variant(mode, dynamic)
                 out = runs / task / name
                 rl = load_config(RunConfig, args.config, settings + [
@@ -187,7 +187,8 @@ def main(argv=None) -> None:
             for s in summary:
                 if s["task"] == task:
                     sync = variant("sync-separated", s["mode"].endswith("+dynamic"))
-                    s["max_abs_diff_vs_sync"] = _max_abs_diff(task_rows[s["mode"]], task_rows[sync])
+                    if sync in task_rows:
+                        s["max_abs_diff_vs_sync"] = _max_abs_diff(task_rows[s["mode"]], task_rows[sync])
             rows = [r for name in task_rows for r in task_rows[name]]
             curves += rows
             per_task = write_csv(res / f"reward_curves_tasks_{task}.csv", rows)
