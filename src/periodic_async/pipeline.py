@@ -148,7 +148,7 @@ def build_engine(cfg: RunConfig) -> Engine:
 @dataclass
 class Task:
     """What a run learns from, given in code instead of by `cfg.data` and `cfg.reward` (the
-    TRL-shaped API, trl_api.py): the training and held-out examples, the reward and accuracy
+    TRL-shaped API, trl_api/): the training and held-out examples, the reward and accuracy
     functions (the producer's shape, f(prompts, completions, **columns)), the few-shot examples.
     Prompts are checked against the model's context as `cfg.data` ones are."""
 
