@@ -70,7 +70,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def run_case(case: str, overrides: list[str], backend: str, runs: Path) -> list[dict]:
     from periodic_async.engine import make_engine
-    from periodic_async.model import is_lora, load_policy
+    from periodic_async.lora import is_lora
+    from periodic_async.model import load_policy
     from periodic_async.pipeline import run
 
     cfgs = {m: load_config(RunConfig, HERE / "equivalence.yaml", overrides + [

@@ -82,7 +82,7 @@ def push_one(engine_name: str, mode: str, versions: int, path: str) -> dict:
                         p.add_((0.02 if lora else 1e-3) * torch.randn(p.shape, generator=gen))
             t0 = time.perf_counter()
             if lora:  # what the consumer pushes (Consumer.engine_state_dict)
-                from periodic_async.model import adapter_parameters
+                from periodic_async.lora import adapter_parameters
 
                 state = {n: t.detach().to("cpu", copy=True) for n, t in adapter_parameters(policy).items()}
             else:

@@ -36,7 +36,8 @@ from periodic_async.config import RunConfig
 from periodic_async.parallel.affinity import Pinned, available_cores
 from periodic_async.parallel.distributed import Ranks
 from periodic_async.group import Group
-from periodic_async.model import is_lora, resolve_device, resolve_dtype
+from periodic_async.lora import adapter_state, is_lora, merge_lora
+from periodic_async.model import resolve_device, resolve_dtype
 from periodic_async.trace import Tracer
 from periodic_async.trimodel import TriModel
 
@@ -268,27 +269,14 @@ class Consumer:
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights as the engines hold them: in `model.dtype` (half precision
-        when training mixed; the float32 masters stay here). With LoRA the adapter tensors alone,
-        named as `peft.get_peft_model_state_dict` names them, on the CPU, in their training dtype
-        (float32 under mixed precision: peft keeps an engine's adapters in float32 on a half base);
-        with model.lora.push='merged' the whole model with the adapter merged (`model.merge_lora`)."""
+        when training mixed; the float32 masters stay here). With LoRA the adapter alone, in its
+        training dtype (`lora.adapter_state`), or with model.lora.push='merged' the whole model with
+        the adapter merged (`lora.merge_lora`)."""
         if self.lora and self.cfg.model.lora.push == "merged":
-            from periodic_async.model import merge_lora
-
             state = merge_lora(self.policy, self.ranks.full_state_dict(self.policy))  # fsdp: all ranks join
             return {n: t.detach().to(self.model_dtype) for n, t in state.items()}
         if self.lora:
-            from peft import get_peft_model_state_dict
-
-            from periodic_async.model import adapter_parameters
-
-            if not self.ranks.lockstep and (params := adapter_parameters(self.policy)) is not None:
-                return {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
-            adapter = {n: p.detach() for n, p in self.policy.named_parameters() if p.requires_grad}
-            if self.ranks.lockstep:  # fsdp: a gather every rank joins
-                adapter = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in adapter.items()}
-            state = get_peft_model_state_dict(self.policy, state_dict=adapter, save_embedding_layers=False)
-            return {n: t.to("cpu", copy=True) for n, t in state.items()}
+            return adapter_state(self.policy, gathered=self.ranks.lockstep)  # fsdp: a gather every rank joins
         state = self.ranks.full_state_dict(self.policy)  # fsdp: a gather every rank joins
         return {n: t.detach().to(self.model_dtype) for n, t in state.items()}
 

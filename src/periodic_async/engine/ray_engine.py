@@ -154,7 +154,7 @@ class RayEngine(Engine):
             log.info("engine.worker_backend=auto: %s for %s", chosen, model_cfg.name_or_path)
             engine_cfg = dataclasses.replace(engine_cfg, worker_backend=chosen)
         if engine_cfg.worker_backend == "vllm" and model_cfg.lora.enabled:  # before any worker starts
-            from periodic_async.engine.vllm_engine import vllm_lora_rank
+            from periodic_async.engine.vllm_lora import vllm_lora_rank
 
             vllm_lora_rank(model_cfg.lora)
         self.cfg = engine_cfg

@@ -39,7 +39,7 @@ class GRPOTrainer:
     weights from a directory).
     reward_funcs: a function, a 'module:function' name, or a list of them (TRL's signature).
     processing_class: the tokenizer; None: the model directory's own.
-    peft_config: a `peft.LoraConfig`: LoRA adapters train on the frozen model (model.lora; `lora_from_peft`
+    peft_config: a `peft.LoraConfig`: LoRA adapters train on the frozen model (model.lora; `lora.from_peft`
     says what is taken); `save_model` then writes the adapter, as TRL does for a PEFT model.
     """
 
@@ -53,13 +53,13 @@ class GRPOTrainer:
         if self.args.no_effect:
             print(f"[GRPOConfig] no effect here: {', '.join(sorted(self.args.no_effect))} (docs/trl.md says why)")
         self.output_dir = Path(self.args.output_dir or "trainer_output")
-        from periodic_async.model import is_lora
+        from periodic_async.lora import from_peft, is_lora  # torch: imported when a trainer is built
 
         if is_lora(model):
             raise ConfigError("GRPOTrainer(model=<PeftModel>): pass the base model and the adapter's settings as "
                               "peft_config=LoraConfig(...) (the engines load the base and take the adapter at each "
                               "push)")
-        self.lora = None if peft_config is None else lora_from_peft(peft_config, model)
+        self.lora = None if peft_config is None else from_peft(peft_config, lambda: _model_type(model))
         """model.lora of the run (from TRL's peft_config), or None: the full model trains."""
         self.model_path = self._model_path(model, processing_class)
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -204,7 +204,8 @@ class GRPOTrainer:
             ckpt = self.output_dir / "checkpoint"
             if self.lora is not None:
                 from periodic_async.config import LoRAConfig
-                from periodic_async.model import apply_lora, load_policy
+                from periodic_async.lora import apply_lora
+                from periodic_async.model import load_policy
 
                 cfg = self.run_config()
                 base, _ = load_policy(dataclasses.replace(cfg.model, lora=LoRAConfig()))
@@ -260,69 +261,11 @@ def _same_tokenizer(tokenizer, path: str) -> bool:
     own = load_tokenizer(path)
     return own.get_vocab() == tokenizer.get_vocab() and getattr(own, "chat_template", None) == \
         getattr(tokenizer, "chat_template", None)
-LORA_FIELDS = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout",
-               "target_modules": "model.lora.target_modules"}
-"""peft.LoraConfig fields mapped to model.lora (the others must be left at peft's defaults, or be
-the bookkeeping fields in `LORA_IGNORED`)."""
-LORA_IGNORED = ("task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-                "inference_mode", "bias", "runtime_config")
-"""peft.LoraConfig fields with nothing to map: bookkeeping, or checked on their own (bias 'none',
-task_type None or CAUSAL_LM)."""
 
 
-def lora_from_peft(peft_config, model=None):
-    """TRL's `peft_config` (a `peft.LoraConfig`) as `model.lora`: r, lora_alpha, lora_dropout and
-    target_modules (a list of module names, 'all-linear', or None: peft's default for the model's
-    architecture). Anything else is one ConfigError line naming peft_config: another peft method,
-    bias other than 'none', a task other than CAUSAL_LM, or a LoRA variant (any other field away
-    from peft's default: DoRA, rsLoRA, other initialisations, modules_to_save, ...)."""
-    import dataclasses as dc
-
-    from periodic_async.config import LoRAConfig
-
-    try:
-        from peft import LoraConfig
-    except ImportError:
-        raise ConfigError("GRPOTrainer(peft_config=...): LoRA needs the peft package (pip install -e '.[lora]')") \
-            from None
-    name = type(peft_config).__name__
-    if not isinstance(peft_config, LoraConfig):
-        raise ConfigError(f"GRPOTrainer(peft_config=<{name}>): not supported here: only peft.LoraConfig (LoRA "
-                          "adapters, which the engines take at every push)")
-    if peft_config.bias != "none":
-        raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(bias={peft_config.bias!r})): not supported here: "
-                          "bias must be 'none' (only the LoRA matrices train)")
-    task = getattr(peft_config.task_type, "value", peft_config.task_type)
-    if task not in (None, "CAUSAL_LM"):
-        raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(task_type={task!r})): expected 'CAUSAL_LM'")
-    default = LoraConfig()
-    for f in dc.fields(peft_config):
-        if f.name in LORA_FIELDS or f.name in LORA_IGNORED:
-            continue
-        value, want = getattr(peft_config, f.name), getattr(default, f.name)
-        if value != want:
-            raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig({f.name}={value!r})): not supported here (LoRA "
-                              f"takes r, lora_alpha, lora_dropout and target_modules); leave it at {want!r}")
-    targets = peft_config.target_modules
-    if targets is None:
-        targets = _default_lora_targets(model)
-    elif isinstance(targets, str):
-        if targets != "all-linear":
-            raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(target_modules={targets!r})): a regular expression "
-                              "is not supported here: give a list of module names or 'all-linear'")
-        targets = ["all-linear"]
-    try:
-        return LoRAConfig(enabled=True, rank=int(peft_config.r), alpha=float(peft_config.lora_alpha),
-                          dropout=float(peft_config.lora_dropout), target_modules=sorted(targets))
-    except ConfigError as e:
-        raise ConfigError(f"GRPOTrainer(peft_config=...): {e}") from None
-
-
-def _default_lora_targets(model) -> list[str]:
-    """peft's default LoRA target modules for the architecture of `model` (a preset name, a model
-    directory or hub id, or a PreTrainedModel), as peft picks them when target_modules is None."""
-    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
-
+def _model_type(model) -> str | None:
+    """The architecture (config.json's model_type) of `model`: a preset name, a model directory or
+    hub id, or a PreTrainedModel."""
     from periodic_async.model import PRESETS, resolve_model_path
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -332,9 +275,4 @@ def _default_lora_targets(model) -> list[str]:
             model_type = PRESETS[path]["model_type"]
         elif (Path(path) / "config.json").is_file():
             model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    if model_type not in DEFAULTS:
-        raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(target_modules=None)): peft has no default target "
-                          f"modules for model type {model_type!r}: give target_modules (names, or 'all-linear')")
-    return list(DEFAULTS[model_type])
-
-
+    return model_type
