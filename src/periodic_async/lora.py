@@ -21,6 +21,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Callable
@@ -112,6 +113,11 @@ def merge_lora(policy, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 # --- the adapter's parameters and names ------------------------------------------------------
 
+def trainable(policy) -> list[tuple[str, torch.nn.Parameter]]:
+    """The policy's trainable (adapter) parameters, by the policy's names."""
+    return [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+
+
 _ADAPTER_PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -138,7 +144,7 @@ def adapter_names(policy) -> dict[str, str]:
     of every trainable (adapter) parameter."""
     from peft import get_peft_model_state_dict
 
-    params = {n: p for n, p in policy.named_parameters() if p.requires_grad}
+    params = dict(trainable(policy))
     by_id = {id(p): n for n, p in params.items()}
     files = get_peft_model_state_dict(policy, state_dict=params, save_embedding_layers=False)
     return {f: by_id[id(t)] for f, t in files.items()}
@@ -153,11 +159,28 @@ def adapter_state(policy, gathered: bool = False) -> dict[str, torch.Tensor]:
         return {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
     from peft import get_peft_model_state_dict
 
-    adapter = {n: p.detach() for n, p in policy.named_parameters() if p.requires_grad}
+    adapter = {n: p.detach() for n, p in trainable(policy)}
     if gathered:
         adapter = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in adapter.items()}
     state = get_peft_model_state_dict(policy, state_dict=adapter, save_embedding_layers=False)
     return {n: t.to("cpu", copy=True) for n, t in state.items()}
+
+
+@contextlib.contextmanager
+def swapped_in(policy, tensors: dict[str, torch.Tensor]):
+    """`tensors` (by `trainable`'s names) in the policy's adapter for the duration: copied in, and
+    the policy's own copied back after. Exact; no autograd graph may hold the adapter meanwhile
+    (the tri-model's old forward)."""
+    with torch.no_grad():
+        adapter = trainable(policy)
+        held = [p.detach().clone() for _, p in adapter]
+        for n, p in adapter:
+            p.copy_(tensors[n])
+        try:
+            yield
+        finally:
+            for (_, p), h in zip(adapter, held):
+                p.copy_(h)
 
 
 # --- the spec, its check, loading ------------------------------------------------------------
