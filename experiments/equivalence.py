@@ -37,7 +37,7 @@ from pathlib import Path
 
 from periodic_async.bench.analysis import compare_iteration
 from periodic_async.bench.plots import plot_equivalence
-from periodic_async.bench.tables import STAMP, read_csv, write_csv
+from periodic_async.records import STAMP, read_csv, write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.trace import log_experiment, read_jsonl
 

@@ -322,7 +322,7 @@ def learning(args, final: bool = True) -> list[dict]:
     reward_curves.main(["--config", str(config), "--tag", "real_lora", "--modes", "periodic-async",
                         "--results", args.results, "--runs", str(runs), *final_quick, *LEARNING,
                         f"algorithm.lr={best['lr']}"])
-    from periodic_async.bench.tables import read_csv
+    from periodic_async.records import read_csv
 
     final = read_csv(Path(args.results) / "reward_curves_real_lora_summary.csv")[0]
     iterations = 2 if args.quick else load_config(RunConfig, config, []).trainer.iterations
@@ -362,7 +362,7 @@ def main() -> None:
         ap.error("--parts sweep runs the learning-rate sweep alone (learning runs it before its final run)")
     if args.quick:  # the same code paths, small: vLLM only, a small micro-batch
         args.rounds, args.versions, args.engines = 1, 2, "vllm"
-    from periodic_async.bench.tables import write_csv
+    from periodic_async.records import write_csv
     from periodic_async.trace import log_experiment
 
     out, written = Path(args.results), []
@@ -402,7 +402,7 @@ def main() -> None:
         written.append(write_csv(out / "lora_learning.csv", rows))
         print(f"[lora] learning: {rows[-1]}")
     if "sweep" in parts:  # the sweep's rows replace an earlier sweep's; the final run's rows stay as they were
-        from periodic_async.bench.tables import read_csv
+        from periodic_async.records import read_csv
 
         old = out / "lora_learning.csv"
         kept = [r for r in (read_csv(old) if old.is_file() else []) if r["kind"] == "final"]

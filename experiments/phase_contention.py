@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.parallel.affinity import available_cores
 
 TRAINER = r'''

@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-from periodic_async.bench.tables import read_csv, write_csv
+from periodic_async.records import read_csv, write_csv
 
 HERE = Path(__file__).resolve().parent
 COLUMNS = ["leg", "iteration", "time_s", "process", "pid", "rss_mib", "fds", "queue_depth_max", "worker_restarts",

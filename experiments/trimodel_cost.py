@@ -28,7 +28,7 @@ import torch
 
 from periodic_async import grpo
 from periodic_async.batching import MicroBatch, GroupSlice
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.config import AlgorithmConfig, ModelConfig
 from periodic_async.group import Group
 from periodic_async.model import build_model, num_parameters

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from periodic_async.bench.protocol import System, measure
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "trl_grpo.py"

@@ -179,7 +179,7 @@ class Table:
         self.path, self.prov, self.rows = path, prov, []
 
     def add(self, **row) -> dict:
-        from periodic_async.bench.tables import write_csv
+        from periodic_async.records import write_csv
 
         row = {**self.prov, **row}
         self.rows.append(row)
