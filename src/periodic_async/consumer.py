@@ -94,7 +94,10 @@ class Consumer:
                  ranks: Ranks | None = None, pinned: Pinned | None = None) -> None:
         self.policy, self.cfg, self.pinned = policy, cfg, pinned
         self.ranks = ranks or Ranks()
-        a = cfg.algorithm
+        # what it reads of the run's config from here on: algorithm and engine.max_tokens; of `cfg`
+        # only the push's form (model.lora.push) and the thread counts (`threads_after_generation`)
+        self.algorithm = a = cfg.algorithm
+        self.max_tokens = cfg.engine.max_tokens  # algorithm.loss_norm='constant' divides by it
         if self.ranks.distributed and a.optimizer_steps_per_iteration != 1:
             raise ValueError(f"algorithm.optimizer_steps_per_iteration={a.optimizer_steps_per_iteration}: trainer "
                              "ranks take one optimizer step per iteration")
@@ -134,13 +137,13 @@ class Consumer:
         `generation_done`) the trainer takes `trainer.threads_after_generation` torch threads
         for the rest of the iteration: on one machine the engines' cores are free until the
         barrier. (On GPUs the engines' devices cannot join a running trainer this way.)"""
-        a = self.cfg.algorithm
+        a = self.algorithm
         held = self.pinned.held if self.pinned is not None else None  # the cores planned, not the pinned thread's
         threads = _Threads(self.cfg.trainer.threads, threads_after_generation(self.cfg, self.ranks.distributed, held),
                            engines_idle, self.pinned)
         per_step = a.prompts_per_iteration // a.optimizer_steps_per_iteration
         batcher = MicroBatcher.from_config(a)
-        acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
+        acc = grpo.LossAccumulator.from_config(a, max_tokens=self.max_tokens)
         busy_s, cpu_s, n_groups, steps, step_metrics = 0.0, 0.0, 0, 0, []
         self._micro_losses = []
         first_group_at = None
@@ -176,7 +179,7 @@ class Consumer:
                     step_metrics.append(self._optimizer_step(acc, iteration, steps,
                                                              n_groups == a.prompts_per_iteration))
                     steps += 1
-                    acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
+                    acc = grpo.LossAccumulator.from_config(a, max_tokens=self.max_tokens)
                 elif n_groups == a.prompts_per_iteration:
                     step_metrics += self._steps_over_the_iteration(acc, waiting, per_step, iteration_tokens, iteration)
                     steps = len(step_metrics)
@@ -209,13 +212,13 @@ class Consumer:
         """token_mean_scope='iteration', once the iteration's last group is in: the first step (its
         micro-batches are done: `acc`), then each later step on its `waiting` groups (arrival
         order), every one divided by the iteration's `tokens` / k. Returns the steps' metrics."""
-        a = self.cfg.algorithm
+        a = self.algorithm
         blocks = [[]] + [waiting[i:i + per_step] for i in range(0, len(waiting), per_step)]
         batcher = MicroBatcher.from_config(a)
         metrics = []
         for step, block in enumerate(blocks):
             if step:
-                acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
+                acc = grpo.LossAccumulator.from_config(a, max_tokens=self.max_tokens)
                 for g in block:
                     for mb in batcher.add(g):
                         self._micro_step(mb, acc, iteration)
@@ -244,8 +247,8 @@ class Consumer:
         this rank joins the collectives of another rank's micro-step and adds nothing."""
         stand_in = Group(prompt_index=-1, iteration=iteration, version=-1, prompt_ids=[0], response_ids=[[0]],
                          behaviour_logprobs=[[0.0]], rewards=[0.0], advantages=[0.0])
-        (mb,) = split_groups([stand_in], shared=self.cfg.algorithm.shared_prompt)
-        inputs = mb.build(shared=self.cfg.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
+        (mb,) = split_groups([stand_in], shared=self.algorithm.shared_prompt)
+        inputs = mb.build(shared=self.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
         with self.tracer.span("micro_step", "trainer", iteration=iteration, samples=0, tokens=0):
             out = self.tri.forward(inputs.packed, with_entropy=False)
             (out.policy_N.sum() * 0.0).backward()
@@ -254,8 +257,8 @@ class Consumer:
         if self.ranks.lockstep:
             self.ranks.agree(True)
         with self.tracer.span("micro_step", "trainer", iteration=iteration, samples=mb.num_samples,
-                              tokens=mb.num_packed_tokens(self.cfg.algorithm.shared_prompt)):
-            inputs = mb.build(shared=self.cfg.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
+                              tokens=mb.num_packed_tokens(self.algorithm.shared_prompt)):
+            inputs = mb.build(shared=self.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
             sums = self.tri.micro_step(inputs, acc)
             prompts = sorted({s.group.prompt_index for s in mb.slices})
             self._micro_losses.append((f"micro-batch {len(self._micro_losses)} (prompts {prompts})", sums["loss"]))
