@@ -22,11 +22,11 @@ from periodic_async.config import RunConfig
 from periodic_async.group import Group
 from periodic_async.model import resolve_device
 from periodic_async.reward import reward_stats
-from periodic_async.trace import MetricsLogger
 
 if TYPE_CHECKING:
     from periodic_async.engine.verify import PushCheck
     from periodic_async.producer import Producer
+    from periodic_async.trace import MetricsLogger
 
 
 def devices_in_use(cfg: RunConfig, trainer_ranks: int = 1, version: int = 0) -> float:
@@ -105,15 +105,13 @@ def write_rollouts(path: Path, groups: list[Group]) -> None:
 class Books:
     """Everything an iteration writes: metrics (JSONL + W&B), held-out accuracy, rollouts, progress."""
 
-    def __init__(self, cfg: RunConfig, producer: Producer, trainer_ranks: int = 1,
+    def __init__(self, cfg: RunConfig, logger: MetricsLogger, producer: Producer, trainer_ranks: int = 1,
                  push_check: PushCheck | None = None) -> None:
-        self.cfg, self.out, self.producer = cfg, Path(cfg.trainer.output_dir), producer
+        self.cfg, self.out, self.logger, self.producer = cfg, Path(cfg.trainer.output_dir), logger, producer
         self.trainer_ranks, self.push_check = trainer_ranks, push_check
         self.history: list[dict] = []
         self.logged_evals: set[int] = set()
         self.bar = None
-        self.logger = MetricsLogger(self.out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
-                                    name=f"{cfg.pipeline.mode}-{self.out.name}")
         if cfg.logging.progress:
             from tqdm.auto import tqdm
 
@@ -164,12 +162,9 @@ class Books:
         return summary(self.cfg, self.history)
 
     def close(self) -> None:
-        try:
-            if self.bar is not None:
-                self.bar.close()
-                self.bar = None
-        finally:
-            self.logger.close()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def summary(cfg: RunConfig, history: list[dict]) -> dict:

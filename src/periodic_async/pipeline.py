@@ -49,7 +49,7 @@ from periodic_async import checkpoint
 from periodic_async.books import Books
 from periodic_async.config import RunConfig
 from periodic_async.consumer import Consumer
-from periodic_async.data import fit_to_context, load_fitted
+from periodic_async.data import few_shot_examples, fit_to_context, load_examples, load_once
 from periodic_async.engine import Engine, make_engine
 from periodic_async.engine.verify import PushCheck
 from periodic_async.group import Group
@@ -60,7 +60,7 @@ from periodic_async.parallel.distributed import Ranks, init_ranks
 from periodic_async.producer import Producer
 from periodic_async.records import remove_logs, save_run_info, truncate_logs, update_run_info
 from periodic_async.reward import make_reward, set_worker_cpus
-from periodic_async.trace import Tracer
+from periodic_async.trace import MetricsLogger, Tracer
 
 
 def build_engine(cfg: RunConfig) -> Engine:
@@ -167,16 +167,22 @@ def _run(cfg: RunConfig, engine: Engine | None, task: Task | None, ranks: Ranks,
 
 def _load_data(cfg: RunConfig, policy, tokenizer, task: Task | None = None) -> tuple[list, list, list, object, object]:
     """Rank 0's (training examples, held-out examples, few-shot examples, reward function, accuracy
-    function); every prompt + max_tokens is checked once against the model's context: `cfg.data`'s
-    loaded once per process (`data.load_fitted`), a `task` checked, never cached."""
+    function); every prompt + max_tokens is checked once against the model's context (examples
+    skipped as too long, data.skip_too_long, are reported then): `cfg.data`'s loaded once per
+    process (`data.load_once`), a `task`'s checked, never cached."""
     context = getattr(policy.config, "max_position_embeddings", None)
+
+    def fit(examples: list, evals: list, shots: list) -> tuple[list, list, list]:
+        return (*(fit_to_context(e, shots, tokenizer, cfg.engine.max_tokens, context, cfg.data.skip_too_long, what,
+                                 cfg.data) for e, what in ((examples, "training"), (evals, "held-out"))), list(shots))
+
     if task is None:
-        return (*load_fitted(cfg.data, tokenizer, cfg.engine.max_tokens, context), make_reward(cfg.reward), None)
-    examples, evals = (fit_to_context(e, task.shots, tokenizer, cfg.engine.max_tokens, context,
-                                      cfg.data.skip_too_long, what, cfg.data)
-                       for e, what in ((task.examples, "training"), (task.evals, "held-out")))
-    reward_fn = make_reward(cfg.reward) if task.reward_fn is None else task.reward_fn
-    return examples, evals, list(task.shots), reward_fn, task.accuracy_fn
+        data = cfg.data
+        loaded = load_once(data, tokenizer, lambda: fit(load_examples(data, "train"), load_examples(data, "eval"),
+                                                        few_shot_examples(data)), cfg.engine.max_tokens, context)
+        return (*loaded, make_reward(cfg.reward), None)
+    fitted = fit(task.examples, task.evals, task.shots)
+    return (*fitted, make_reward(cfg.reward) if task.reward_fn is None else task.reward_fn, task.accuracy_fn)
 
 
 class _Generation:
@@ -193,7 +199,11 @@ class _Generation:
         self.producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=self.evals,
                                  accuracy_fn=accuracy_fn, cores=producer_cores)
         started.callback(self.producer.close)
-        self.books = Books(cfg, self.producer, ranks.world_size, push_check)
+        out = Path(cfg.trainer.output_dir)
+        logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
+                               name=f"{cfg.pipeline.mode}-{out.name}")
+        started.callback(logger.close)
+        self.books = Books(cfg, logger, self.producer, ranks.world_size, push_check)
         started.callback(self.books.close)
         self.mode = make_mode(cfg.pipeline.mode)
         self.generation_done = self.producer.generation_done

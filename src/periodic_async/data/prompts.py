@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from periodic_async.config import DataConfig
-from periodic_async.data.tasks import DataError, Example, few_shot_examples, load_examples
+from periodic_async.data.tasks import DataError, Example
 
 INSTRUCTION = DataConfig.instruction
 """The default `data.instruction`."""
@@ -99,31 +99,26 @@ def fit_to_context(examples: list[Example], shots: list[Example], tokenizer, max
     return [e for k, e in enumerate(examples) if k not in dropped]
 
 
-_LOADED: dict[tuple, tuple[list, list, list]] = {}  # the last few data sets of this process
+_LOADED: dict[tuple, tuple[list, ...]] = {}  # the last few data sets of this process
 
 
-def load_fitted(data: DataConfig, tokenizer, max_new_tokens: int, context: int | None) -> tuple[list, list, list]:
-    """The (training, held-out, few-shot) examples of `data`, each prompt + `max_new_tokens`
-    checked against the model's `context` (`fit_to_context`). A process that runs several times on
-    the same data (a benchmark's systems, resumed legs) loads and checks it once: the key is
-    everything the result depends on (the data settings, the source file's size and time,
-    max_new_tokens, the context, the tokenizer and its chat template); examples skipped as too
-    long (data.skip_too_long) are reported at the first load. Each call returns fresh lists."""
+def load_once(data: DataConfig, tokenizer, load: Callable[[], tuple[list, ...]], *depends) -> tuple[list, ...]:
+    """`load()` (lists of examples, e.g. loaded and checked by `fit_to_context`), once per process
+    for the same inputs: a process that runs several times on the same data (a benchmark's systems,
+    resumed legs) loads and checks it once. The key is everything the result depends on: the data
+    settings, the source file's size and time, the tokenizer and its chat template, and `depends`
+    (the response budget and the model's context, say). The last 4 are kept; each call returns
+    fresh lists."""
     source = Path(data.source)
     st = source.stat() if source.exists() else None
-    key = (repr(data), (st.st_mtime_ns, st.st_size) if st else None, max_new_tokens, context,
-           type(tokenizer).__name__, getattr(tokenizer, "name_or_path", ""), len(tokenizer),
-           getattr(tokenizer, "chat_template", None))
+    key = (repr(data), (st.st_mtime_ns, st.st_size) if st else None, *depends, type(tokenizer).__name__,
+           getattr(tokenizer, "name_or_path", ""), len(tokenizer), getattr(tokenizer, "chat_template", None))
     if key not in _LOADED:
-        examples, evals, shots = load_examples(data, "train"), load_examples(data, "eval"), few_shot_examples(data)
-        examples, evals = (fit_to_context(e, shots, tokenizer, max_new_tokens, context, data.skip_too_long, what,
-                                          data)  # the configured template
-                           for e, what in ((examples, "training"), (evals, "held-out")))
+        loaded = load()
         while len(_LOADED) >= 4:
             _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = (examples, evals, shots)
-    examples, evals, shots = _LOADED[key]
-    return list(examples), list(evals), list(shots)
+        _LOADED[key] = loaded
+    return tuple(list(x) for x in _LOADED[key])
 
 
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
