@@ -51,7 +51,7 @@ from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.lora_setting import RUN_OVERRIDES as LORA_OVERRIDES
 from periodic_async.bench.plots import plot_async_speedup, plot_timeline
 from periodic_async.bench.protocol import SharedEngines, System, measure
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.pipeline import run

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from periodic_async.bench.cli import experiment_parser  # noqa: E402
 from periodic_async.bench.hf_generate import HFWorkers  # noqa: E402
 from periodic_async.bench.protocol import System, measure  # noqa: E402
-from periodic_async.bench.tables import write_csv  # noqa: E402
+from periodic_async.records import write_csv  # noqa: E402
 from periodic_async.config import DataConfig, EngineConfig, ModelConfig  # noqa: E402
 from periodic_async.data import make_synthetic, prompt_messages  # noqa: E402
 from periodic_async.data.prompts import encode_chat  # noqa: E402

@@ -36,7 +36,7 @@ from pathlib import Path
 from periodic_async.bench.analysis import compare_iteration
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_equivalence
-from periodic_async.bench.tables import STAMP, read_csv, write_csv
+from periodic_async.records import STAMP, read_csv, write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.trace import log_experiment, read_jsonl
 
@@ -69,7 +69,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def run_case(case: str, overrides: list[str], backend: str, runs: Path) -> list[dict]:
     from periodic_async.engine import make_engine
-    from periodic_async.model import is_lora, load_policy
+    from periodic_async.lora import is_lora
+    from periodic_async.model import load_policy
     from periodic_async.pipeline import run
 
     cfgs = {m: load_config(RunConfig, HERE / "equivalence.yaml", overrides + [

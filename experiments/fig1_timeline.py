@@ -26,7 +26,7 @@ from periodic_async.bench.analysis import iteration_phases, trained_orders
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_fig1
 from periodic_async.bench.protocol import SharedEngines
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent

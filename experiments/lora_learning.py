@@ -29,7 +29,7 @@ from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.curves import run_curves, write_curves
 from periodic_async.bench.lora_setting import RUN_OVERRIDES
 from periodic_async.bench.protocol import SharedEngines
-from periodic_async.bench.tables import read_csv, write_csv
+from periodic_async.records import read_csv, write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.pipeline import run
 from periodic_async.trace import log_experiment, read_jsonl

@@ -27,7 +27,7 @@ import torch
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.fresh_process import in_fresh_process
 from periodic_async.bench.lora_setting import MODEL, RANK, model_config
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.trace import log_experiment
 
 
@@ -38,7 +38,8 @@ def push_one(engine_name: str, mode: str, versions: int, path: str, gen_tokens: 
     from periodic_async.engine import make_engine
     from periodic_async.engine.base import Request, SamplingParams
     from periodic_async.engine.verify import PushCheck, probe_tokens
-    from periodic_async.model import adapter_parameters, load_policy
+    from periodic_async.lora import adapter_parameters
+    from periodic_async.model import load_policy
 
     torch.set_num_threads(1)
     lora = mode == "lora"

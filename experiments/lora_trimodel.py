@@ -31,7 +31,7 @@ from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.fresh_process import in_fresh_process
 from periodic_async.bench.lora_setting import MODEL, RANK, model_config
 from periodic_async.bench.micro_batch import make_micro_batch
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.config import AlgorithmConfig
 from periodic_async.model import load_policy, num_parameters
 from periodic_async.trace import log_experiment

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from periodic_async.bench.cli import experiment_parser
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.parallel.affinity import available_cores
 
 TRAINER = r'''

@@ -28,7 +28,7 @@ import statistics
 from pathlib import Path
 
 from periodic_async.bench.cli import experiment_parser
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.scale.calibrate import fit_costs, load_run, simulate_measured
 from periodic_async.scale.simulate import Deployment, simulate_iteration
 

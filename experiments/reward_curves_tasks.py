@@ -42,7 +42,7 @@ from periodic_async.bench.analysis import paired_gain_stderr
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_reward_curves
 from periodic_async.bench.protocol import SharedEngines
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.config import RunConfig, SFTRunConfig, load_config
 from periodic_async.pipeline import run
 from periodic_async.sft import run_sft

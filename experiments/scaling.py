@@ -42,7 +42,7 @@ from pathlib import Path
 
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.protocol import SharedEngines, System, measure, settings_dict
-from periodic_async.bench.tables import read_csv, write_csv
+from periodic_async.records import read_csv, write_csv
 from periodic_async.scale.calibrate import (MeasuredRun, fit_costs, load_gpu_check, load_run, measured_device_file,
                                            simulate_measured)
 from periodic_async.config import RunConfig, load_config

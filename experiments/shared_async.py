@@ -21,7 +21,7 @@ from pathlib import Path
 
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.protocol import SharedEngines, System, measure
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.engine.ray_engine import init_ray
 from periodic_async.pipeline import run

@@ -33,7 +33,7 @@ import torch
 
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_shared_prompt
-from periodic_async.bench.tables import read_csv, write_csv
+from periodic_async.records import read_csv, write_csv
 
 COLUMNS = ["P", "G", "R", "backend", "speedup", "token_bound", "efficiency", "peak_mem_ratio", "model", "repeats",
            "git_commit", "cpu"]

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from periodic_async.bench.cli import experiment_parser
-from periodic_async.bench.tables import read_csv, write_csv
+from periodic_async.records import read_csv, write_csv
 
 HERE = Path(__file__).resolve().parent
 COLUMNS = ["leg", "iteration", "time_s", "process", "pid", "rss_mib", "fds", "queue_depth_max", "worker_restarts",

@@ -35,7 +35,7 @@ from pathlib import Path
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_table2
 from periodic_async.bench.protocol import SharedEngines, System, flatten, measure
-from periodic_async.bench.tables import read_csv, write_csv
+from periodic_async.records import read_csv, write_csv
 from periodic_async.bench.trl import export_model, run_trl, trl_settings
 from periodic_async.config import RunConfig, load_config
 from periodic_async.data import few_shot_examples, iteration_prompts, load_examples, prompt_messages

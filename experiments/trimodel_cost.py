@@ -29,7 +29,7 @@ import torch
 from periodic_async import grpo
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.micro_batch import make_micro_batch
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.config import AlgorithmConfig, ModelConfig
 from periodic_async.model import build_model, num_parameters
 from periodic_async.shared_prompt import token_logprobs

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.protocol import System, measure
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.bench.trl import export_model
 from periodic_async.config import ModelConfig, RunConfig
 from periodic_async.data.tokenizer import ensure_tokenizer

@@ -15,7 +15,7 @@ mkdir -p "$results"
 python - "$out/sft_summary.json" "$results/sft.csv" <<'PY'
 import json, sys
 from pathlib import Path
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.trace import log_experiment
 summary = json.loads(Path(sys.argv[1]).read_text())
 keys = ["model", "parameters", "steps", "examples_seen", "train_seconds", "eval_n", "accuracy_before", "accuracy_after"]

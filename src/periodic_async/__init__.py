@@ -12,7 +12,7 @@ __all__ = ["GRPOConfig", "GRPOTrainer", "__version__"]
 
 
 def __getattr__(name: str):
-    """`from periodic_async import GRPOTrainer, GRPOConfig`: TRL's interface (trl_api.py), imported on first use."""
+    """`from periodic_async import GRPOTrainer, GRPOConfig`: TRL's interface (trl_api/), imported on first use."""
     if name in ("GRPOConfig", "GRPOTrainer"):
         from periodic_async import trl_api
 

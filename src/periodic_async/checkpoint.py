@@ -82,7 +82,7 @@ import torch
 
 from periodic_async import interrupt
 from periodic_async.config import ModelConfig, RunConfig
-from periodic_async.model import is_lora, merge_lora
+from periodic_async.lora import adapter_names, is_lora, merge_lora
 
 LATEST = "checkpoint"
 """The symbolic link to the newest complete checkpoint (what `model.name_or_path=<run>/checkpoint` loads)."""
@@ -285,17 +285,6 @@ def _read_adapter(ckpt: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
         raise ValueError(f"checkpoint {str(ckpt)!r} has no LoRA adapter ({ADAPTER}/adapter_model.safetensors): it was "
                          "not written with model.lora.enabled; resume it with model.lora.enabled=false")
     return load_file(f, device=device)
-
-
-def adapter_names(policy) -> dict[str, str]:
-    """LoRA: {name in the adapter files (`get_peft_model_state_dict`'s): the policy's parameter
-    name} of every trainable (adapter) parameter."""
-    from peft import get_peft_model_state_dict
-
-    params = {n: p for n, p in policy.named_parameters() if p.requires_grad}
-    by_id = {id(p): n for n, p in params.items()}
-    files = get_peft_model_state_dict(policy, state_dict=params, save_embedding_layers=False)
-    return {f: by_id[id(t)] for f, t in files.items()}
 
 
 def _adapter_as_params(policy, saved: dict[str, torch.Tensor], ckpt: Path) -> dict[str, torch.Tensor]:

@@ -315,7 +315,33 @@ class RewardConfig:
 
 
 @dataclass
-class EngineConfig:
+class Sampling:
+    """How each response is sampled: the engine's fields that every request's `SamplingParams`
+    (engine/base.py) carries, declared once for both."""
+
+    max_tokens: int = 64
+    """Largest number of generated tokens per sample."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 means greedy (argmax of the raw logits)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a sample ends ('stop') once its text contains one, the text cut before it (eos always stops)."""
+
+    def check_sampling(self, section: str) -> None:
+        """A ConfigError naming `section`.<field> unless the values can be sampled."""
+        _check(self.max_tokens >= 1, section, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(self.temperature >= 0, section, "temperature", self.temperature, "must be >= 0")
+        _check(0 < self.top_p <= 1, section, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k >= 0, section, "top_k", self.top_k, "must be >= 0")
+
+
+@dataclass
+class EngineConfig(Sampling):
+    """The inference engines; the sampling fields (max_tokens, temperature, top_p, top_k, stop) are `Sampling`'s."""
+
     backend: EngineBackend = "ray"
     """'local' (in-process, continuous batching), 'ray' (one Ray actor per worker) or 'vllm'."""
     num_workers: int = 1
@@ -330,16 +356,6 @@ class EngineConfig:
     enough (parallel/affinity.py); else left to the OS."""
     max_num_seqs: int = 32
     """Sequences decoded together per worker (continuous-batching slots)."""
-    max_tokens: int = 64
-    """Largest number of generated tokens per sample."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 means greedy."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    top_k: int = 0
-    """Top-k sampling; 0 disables."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings: a sample ends once its text contains one (eos always stops)."""
     ray_address: str = ""
     """Address of an existing Ray cluster to join (what `ray.init(address=...)` takes). Empty: the
     RAY_ADDRESS environment variable when it is set (as in a `ray job submit` entrypoint), else Ray
@@ -423,10 +439,7 @@ class EngineConfig:
         _check(self.threads_per_worker >= 1, "engine", "threads_per_worker", self.threads_per_worker, "must be >= 1")
         parse_cores(self.cpu_affinity, "engine.cpu_affinity")
         _check(self.max_num_seqs >= 1, "engine", "max_num_seqs", self.max_num_seqs, "must be >= 1")
-        _check(self.max_tokens >= 1, "engine", "max_tokens", self.max_tokens, "must be >= 1")
-        _check(self.temperature >= 0, "engine", "temperature", self.temperature, "must be >= 0")
-        _check(0 < self.top_p <= 1, "engine", "top_p", self.top_p, "must be in (0, 1]")
-        _check(self.top_k >= 0, "engine", "top_k", self.top_k, "must be >= 0")
+        self.check_sampling("engine")
         _check(self.timeout_s > 0, "engine", "timeout_s", self.timeout_s, "must be > 0")
         _check(self.restart_workers >= 0, "engine", "restart_workers", self.restart_workers, "must be >= 0")
         _check(self.weight_sync == "object_store" or (self.backend == "ray" and not self.restart_workers

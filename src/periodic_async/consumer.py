@@ -39,7 +39,8 @@ from periodic_async.config import RunConfig
 from periodic_async.parallel.affinity import Pinned, available_cores
 from periodic_async.parallel.distributed import Ranks
 from periodic_async.group import Group
-from periodic_async.model import is_lora, resolve_device, resolve_dtype
+from periodic_async.lora import adapter_state, is_lora, merge_lora
+from periodic_async.model import resolve_device, resolve_dtype
 from periodic_async.trace import Tracer
 from periodic_async.trimodel import TriModel
 
@@ -96,7 +97,10 @@ class Consumer:
                  ranks: Ranks | None = None, pinned: Pinned | None = None) -> None:
         self.policy, self.cfg, self.pinned = policy, cfg, pinned
         self.ranks = ranks or Ranks()
-        a = cfg.algorithm
+        # what it reads of the run's config from here on: algorithm and engine.max_tokens; of `cfg`
+        # only the push's form (model.lora.push) and the thread counts (`threads_after_generation`)
+        self.algorithm = a = cfg.algorithm
+        self.max_tokens = cfg.engine.max_tokens  # algorithm.loss_norm='constant' divides by it
         if self.ranks.distributed and a.optimizer_steps_per_iteration != 1:
             raise ValueError(f"algorithm.optimizer_steps_per_iteration={a.optimizer_steps_per_iteration}: trainer "
                              "ranks take one optimizer step per iteration")
@@ -141,13 +145,13 @@ class Consumer:
         `generation_done`) the trainer takes `trainer.threads_after_generation` torch threads
         for the rest of the iteration: on one machine the engines' cores are free until the
         barrier. (On GPUs the engines' devices cannot join a running trainer this way.)"""
-        a = self.cfg.algorithm
+        a = self.algorithm
         held = self.pinned.held if self.pinned is not None else None  # the cores planned, not the pinned thread's
         threads = _Threads(self.cfg.trainer.threads, threads_after_generation(self.cfg, self.ranks.distributed, held),
                            engines_idle, self.pinned)
         per_step = a.prompts_per_iteration // a.optimizer_steps_per_iteration
         batcher = MicroBatcher.from_config(a)
-        acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
+        acc = grpo.LossAccumulator.from_config(a, max_tokens=self.max_tokens)
         busy_s, cpu_s, n_groups, steps, step_metrics = 0.0, 0.0, 0, 0, []
         self._micro_losses = []
         first_group_at = None
@@ -183,7 +187,7 @@ class Consumer:
                     step_metrics.append(self._optimizer_step(acc, iteration, steps,
                                                              n_groups == a.prompts_per_iteration))
                     steps += 1
-                    acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
+                    acc = grpo.LossAccumulator.from_config(a, max_tokens=self.max_tokens)
                 elif n_groups == a.prompts_per_iteration:
                     step_metrics += self._steps_over_the_iteration(acc, waiting, per_step, iteration_tokens, iteration)
                     steps = len(step_metrics)
@@ -232,13 +236,13 @@ class Consumer:
         """token_mean_scope='iteration', once the iteration's last group is in: the first step (its
         micro-batches are done: `acc`), then each later step on its `waiting` groups (arrival
         order), every one divided by the iteration's `tokens` / k. Returns the steps' metrics."""
-        a = self.cfg.algorithm
+        a = self.algorithm
         blocks = [[]] + [waiting[i:i + per_step] for i in range(0, len(waiting), per_step)]
         batcher = MicroBatcher.from_config(a)
         metrics = []
         for step, block in enumerate(blocks):
             if step:
-                acc = grpo.LossAccumulator.from_config(a, max_tokens=self.cfg.engine.max_tokens)
+                acc = grpo.LossAccumulator.from_config(a, max_tokens=self.max_tokens)
                 for g in block:
                     for mb in batcher.add(g):
                         self._micro_step(mb, acc, iteration)
@@ -267,8 +271,8 @@ class Consumer:
         this rank joins the collectives of another rank's micro-step and adds nothing."""
         stand_in = Group(prompt_index=-1, iteration=iteration, version=-1, prompt_ids=[0], response_ids=[[0]],
                          behaviour_logprobs=[[0.0]], rewards=[0.0], advantages=[0.0])
-        (mb,) = split_groups([stand_in], shared=self.cfg.algorithm.shared_prompt)
-        inputs = mb.build(shared=self.cfg.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
+        (mb,) = split_groups([stand_in], shared=self.algorithm.shared_prompt)
+        inputs = mb.build(shared=self.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
         with self.tracer.span("micro_step", "trainer", iteration=iteration, samples=0, tokens=0):
             out = self.tri.forward(inputs.packed, with_entropy=False)
             (out.policy_N.sum() * 0.0).backward()
@@ -277,8 +281,8 @@ class Consumer:
         if self.ranks.lockstep:
             self.ranks.agree(True)
         with self.tracer.span("micro_step", "trainer", iteration=iteration, samples=mb.num_samples,
-                              tokens=mb.num_packed_tokens(self.cfg.algorithm.shared_prompt)):
-            inputs = mb.build(shared=self.cfg.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
+                              tokens=mb.num_packed_tokens(self.algorithm.shared_prompt)):
+            inputs = mb.build(shared=self.algorithm.shared_prompt, dtype=self.dtype, device=self.device)
             sums = self.tri.micro_step(inputs, acc)
             prompts = sorted({s.group.prompt_index for s in mb.slices})
             self._micro_losses.append((f"micro-batch {len(self._micro_losses)} (prompts {prompts})", sums["loss"]))
@@ -292,27 +296,14 @@ class Consumer:
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights as the engines hold them: in `model.dtype` (half precision
-        when training mixed; the float32 masters stay here). With LoRA the adapter tensors alone,
-        named as `peft.get_peft_model_state_dict` names them, on the CPU, in their training dtype
-        (float32 under mixed precision: peft keeps an engine's adapters in float32 on a half base);
-        with model.lora.push='merged' the whole model with the adapter merged (`model.merge_lora`)."""
+        when training mixed; the float32 masters stay here). With LoRA the adapter alone, in its
+        training dtype (`lora.adapter_state`), or with model.lora.push='merged' the whole model with
+        the adapter merged (`lora.merge_lora`)."""
         if self.lora and self.cfg.model.lora.push == "merged":
-            from periodic_async.model import merge_lora
-
             state = merge_lora(self.policy, self.ranks.full_state_dict(self.policy))  # fsdp: all ranks join
             return {n: t.detach().to(self.model_dtype) for n, t in state.items()}
         if self.lora:
-            from peft import get_peft_model_state_dict
-
-            from periodic_async.model import adapter_parameters
-
-            if not self.ranks.lockstep and (params := adapter_parameters(self.policy)) is not None:
-                return {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
-            adapter = {n: p.detach() for n, p in self.policy.named_parameters() if p.requires_grad}
-            if self.ranks.lockstep:  # fsdp: a gather every rank joins
-                adapter = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in adapter.items()}
-            state = get_peft_model_state_dict(self.policy, state_dict=adapter, save_embedding_layers=False)
-            return {n: t.to("cpu", copy=True) for n, t in state.items()}
+            return adapter_state(self.policy, gathered=self.ranks.lockstep)  # fsdp: a gather every rank joins
         state = self.ranks.full_state_dict(self.policy)  # fsdp: a gather every rank joins
         return {n: t.detach().to(self.model_dtype) for n, t in state.items()}
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from periodic_async.config import ConfigError, LoRAConfig, ModelConfig
+from periodic_async.config import ConfigError, ModelConfig
 from periodic_async.data.tokenizer import ensure_tokenizer, load_tokenizer
+from periodic_async.lora import apply_lora
 
 PRESETS: dict[str, dict] = {
     "qwen2-micro": dict(model_type="qwen2", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -154,7 +154,7 @@ def resolve_model_path(name_or_path: str) -> str:
 def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Tokenizer and model of `cfg`. A model directory without `cfg.tokenizer` uses its own tokenizer;
     a hub id loads from its snapshot (`resolve_model_path`). With `cfg.lora.enabled` the model is a
-    `peft.PeftModel` around it (`apply_lora`, adapters initialised from `cfg.seed`)."""
+    `peft.PeftModel` around it (`lora.apply_lora`, adapters initialised from `cfg.seed`)."""
     path = resolve_model_path(cfg.name_or_path)  # before a tokenizer is built for a model that is not there
     if path != cfg.name_or_path:
         cfg = dataclasses.replace(cfg, name_or_path=path)
@@ -169,110 +169,11 @@ def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     return model, tokenizer
 
 
-def linear_module_names(model: torch.nn.Module) -> list[str]:
-    """The last name components of the model's `nn.Linear` modules, the output layer (lm_head)
-    excluded: what `model.lora.target_modules` may name (peft's 'all-linear')."""
-    inner = model.get_base_model() if is_lora(model) else model
-    out = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    names = {name.rsplit(".", 1)[-1] for name, m in inner.named_modules()
-             if isinstance(m, torch.nn.Linear) and m is not out and name}
-    return sorted(names)
-
-
-def lora_config(cfg: LoRAConfig):
-    """The `peft.LoraConfig` of `cfg` (task CAUSAL_LM, bias 'none', peft's default initialisation:
-    A random, B zero, so the adapted policy starts as the base model)."""
-    from peft import LoraConfig, TaskType
-
-    targets = "all-linear" if list(cfg.target_modules) == ["all-linear"] else list(cfg.target_modules)
-    return LoraConfig(task_type=TaskType.CAUSAL_LM, r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                      target_modules=targets, bias="none")
-
-
-def apply_lora(model: PreTrainedModel, cfg: LoRAConfig, seed: int = 0):
-    """`model` wrapped as a `peft.PeftModel` with LoRA adapters on `cfg.target_modules`: the base
-    weights frozen, the adapters trainable (float32 on a bfloat16/float16 base: peft's
-    `autocast_adapter_dtype`; the base's dtype otherwise). The adapters' random initialisation
-    draws from a generator seeded with `seed`, the global RNG untouched, so trainer and engines
-    build the same adapter. A target module the model lacks is a ConfigError naming the field."""
-    try:
-        from peft import get_peft_model
-    except ImportError:
-        raise ConfigError("model.lora.enabled=True: LoRA needs the peft package (pip install -e '.[lora]')") from None
-    linear = linear_module_names(model)
-    missing = [t for t in cfg.target_modules if t not in linear and t != "all-linear"]
-    if missing:
-        raise ConfigError(f"model.lora.target_modules={list(cfg.target_modules)!r}: the model has no linear module "
-                          f"named {', '.join(missing)}; its linear modules are {', '.join(linear)}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return get_peft_model(model, lora_config(cfg))
-
-
-def merge_lora(policy, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """LoRA: the merged policy's weights, named as the plain model names them, from `state` (the
-    PeftModel's whole state dict): each adapted weight W becomes W + scaling * B A (scaling =
-    alpha / r, peft's, read from each layer), computed in float32 or wider and stored in W's
-    dtype; the adapter tensors are left out. What `merge_and_unload()` gives, without touching
-    the policy (tests/test_lora.py compares the two). What a checkpoint's model directory holds,
-    and what a push carries with model.lora.push='merged' (`state` then a trainer rank's full
-    state dict of the policy)."""
-    from peft.tuners.lora import LoraLayer
-
-    inner = policy.base_model.model  # the HF model, its LoRA layers injected
-    adapter = policy.active_adapter
-    prefix = "base_model.model."
-    out = {}
-    for name, t in state.items():
-        if ".lora_" in name:
-            continue
-        name = name[len(prefix):] if name.startswith(prefix) else name
-        out[name.replace(".base_layer.", ".")] = t
-    for module_name, module in inner.named_modules():
-        if isinstance(module, LoraLayer) and adapter in module.lora_A:
-            a = state[f"{prefix}{module_name}.lora_A.{adapter}.weight"]
-            b = state[f"{prefix}{module_name}.lora_B.{adapter}.weight"]
-            w = out[f"{module_name}.weight"]
-            wide = torch.promote_types(w.dtype, torch.float32)
-            delta = module.scaling[adapter] * (b.to(wide) @ a.to(wide))
-            out[f"{module_name}.weight"] = (w.to(wide) + delta.to(w.device)).to(w.dtype)
-    return out
-
-
-_ADAPTER_PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter] | None:
-    """LoRA: name (as `peft.get_peft_model_state_dict` names it) -> the peft model's adapter
-    parameter, found once per model (the parameter objects outlive `.to()`), so that a push reads
-    and an engine writes the adapter without peft walking the whole model each time; None when
-    a tensor peft hands back is not a parameter's storage (a copy into it would not reach the model)
-    or storages cannot tell parameters apart (a model on the meta device: every address is 0)."""
-    if model not in _ADAPTER_PARAMETERS:
-        from peft import get_peft_model_state_dict
-
-        own = {p.data_ptr(): p for p in model.parameters()}
-        state = get_peft_model_state_dict(model)
-        params = {n: own.get(t.data_ptr()) for n, t in state.items()}
-        found = len(own) == sum(1 for _ in model.parameters()) and all(
-            p is not None and p.shape == state[n].shape for n, p in params.items())
-        _ADAPTER_PARAMETERS[model] = params if found else {}
-    return _ADAPTER_PARAMETERS[model] or None
-
-
-def is_lora(model: torch.nn.Module) -> bool:
-    """Whether `model` is a peft `PeftModel` (a LoRA policy); False when peft was never imported."""
-    import sys
-
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, peft.PeftModel)
-
-
 @contextlib.contextmanager
 def eval_mode(model: torch.nn.Module):
     """`model` in eval mode inside the block, each module's own mode restored after it. Only the
     modules in training mode are switched: a model already in eval mode costs nothing, where
-    `model.eval()` and `model.train()` walk every module (LoRA's peft layers add some 2,000). The
+    `model.eval()` and `model.train()` walk every module (an adapter's peft layers add some 2,000). The
     flag is set as the plain attribute it is, past `Module.__setattr__`'s parameter and buffer checks."""
     training = [m for m in model.modules() if m.training]
     for m in training:

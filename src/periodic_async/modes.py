@@ -33,11 +33,13 @@ is not bitwise the uninterrupted one; the on-policy modes are.
 
 from __future__ import annotations
 
-from typing import Iterable, get_args
+from typing import TYPE_CHECKING, Iterable, get_args
 
 from periodic_async.config import Mode, SyncMode
 from periodic_async.group import Group
-from periodic_async.producer import Producer
+
+if TYPE_CHECKING:  # for annotations only: producer and consumer stand side by side (the paper's Figure 1)
+    from periodic_async.producer import Producer
 
 
 class OnPolicy:

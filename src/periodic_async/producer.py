@@ -143,7 +143,7 @@ class Producer:
         comparisons between versions)}."""
         self._eval_prompt_ids: list[list[int]] | None = None
         self.generation_done = threading.Event()
-        self.shots, self.reward_fn, self.cfg = list(shots), reward_fn, cfg
+        self.shots, self.reward_fn = list(shots), reward_fn
         self.tracer = tracer or Tracer(enabled=False)
         self.queue_depth_max = 0
         self.queue: queue.Queue = queue.Queue(
@@ -151,14 +151,17 @@ class Producer:
         self._thread: threading.Thread | None = None
         self._prompt_ids: dict[int, list[int]] = {}
         self._stop = threading.Event()
-        self.params = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=cfg.engine.temperature,
-                                     top_p=cfg.engine.top_p, top_k=cfg.engine.top_k,
-                                     stop=list(cfg.engine.stop))
+        # what it reads of the run's config from here on: data, algorithm, trainer and, of engine, the
+        # sampling (every request's; the held-out requests' greedy one) and how long the barrier waits
+        self.data, self.algorithm, self.trainer = cfg.data, cfg.algorithm, cfg.trainer
+        self.params = SamplingParams.of(cfg.engine)
+        self.greedy = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=0.0, stop=list(cfg.engine.stop))
+        self.timeout_s = cfg.engine.timeout_s
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._prompt_ids:
             self._prompt_ids[index] = encode_prompts(self.tokenizer, [self.examples[index]], self.shots,
-                                                     self.cfg.data)[0]
+                                                     self.data)[0]
         return self._prompt_ids[index]
 
     def start(self, iteration: int) -> None:
@@ -200,7 +203,7 @@ class Producer:
         iteration); a thread still alive after `timeout_s` (default engine.timeout_s) raises."""
         if self._thread is None:
             return
-        self._thread.join(self.cfg.engine.timeout_s if timeout_s is None else timeout_s)
+        self._thread.join(self.timeout_s if timeout_s is None else timeout_s)
         if self._thread.is_alive():
             raise RuntimeError(f"producer: {self._thread.name} still generating at the barrier")
 
@@ -214,14 +217,13 @@ class Producer:
     def _run(self, iteration: int) -> None:
         try:
             pin_thread(self.cores)  # receiving and scoring: off the trainer's cores (reward workers: run())
-            cfg = self.cfg
             version = self.engine.version
-            draws = _Draws(iteration, cfg.algorithm.prompts_per_iteration, cfg.algorithm.draws_cap)
+            draws = _Draws(iteration, self.algorithm.prompts_per_iteration, self.algorithm.draws_cap)
             self.draws[iteration] = draws
             first = self.iteration_requests(iteration)
             requests, by_id = self._requests(first, 0)
             draws.drawn = len(first)
-            every = cfg.trainer.eval_every
+            every = self.trainer.eval_every
             evaluate = every and version % every == 0 and version not in self.eval_results and self.eval_examples
             evals = self._eval_requests(iteration) if evaluate else {}
             requests += [r for r, _ in evals.values()]
@@ -238,7 +240,7 @@ class Producer:
                     position, index, example = by_id.pop(out.request_id)
                     group = self._score(out, index, example, iteration, version, submitted)
                     group.timings["position"] = position  # draw (dataset) order, for the sync modes
-                    keep = draws.add(group, cfg.algorithm.dynamic_sampling)
+                    keep = draws.add(group, self.algorithm.dynamic_sampling)
                     filtered += not keep
                     if not by_id and not evals and not draws.more(filtered):
                         self.generation_done.set()
@@ -264,8 +266,8 @@ class Producer:
     def iteration_requests(self, iteration: int) -> list[tuple[Request, int, Example]]:
         """The iteration's B requests in dataset order (position 0..B-1), each with the index of
         its prompt in the training set and the example: a pure function of the iteration."""
-        cfg = self.cfg
-        batch = iteration_prompts(self.examples, iteration, cfg.algorithm.prompts_per_iteration, cfg.data.seed)
+        a, seed = self.algorithm, self.data.seed
+        batch = iteration_prompts(self.examples, iteration, a.prompts_per_iteration, seed)
         return [self._request(iteration, position, index) for position, (index, _) in enumerate(batch)]
 
     def extra_requests(self, iteration: int, first: int, count: int) -> list[tuple[Request, int, Example]]:
@@ -273,15 +275,14 @@ class Producer:
         `data.extra_prompts` (a pure function of the iteration, as the first B are)."""
         if count <= 0:
             return []
-        cfg = self.cfg
-        B = cfg.algorithm.prompts_per_iteration
-        indices = extra_prompts(self.examples, iteration, B, cfg.data.seed, first - B + count)
+        B = self.algorithm.prompts_per_iteration
+        indices = extra_prompts(self.examples, iteration, B, self.data.seed, first - B + count)
         return [self._request(iteration, first + k, indices[first - B + k]) for k in range(count)]
 
     def _request(self, iteration: int, position: int, index: int) -> tuple[Request, int, Example]:
-        cfg = self.cfg
-        return (Request(f"it{iteration}-p{index}-{position}", self.prompt_ids(index), cfg.algorithm.group_size,
-                        self.params, request_seed(cfg.data.seed, iteration, position)), index, self.examples[index])
+        a, seed = self.algorithm, self.data.seed
+        return (Request(f"it{iteration}-p{index}-{position}", self.prompt_ids(index), a.group_size,
+                        self.params, request_seed(seed, iteration, position)), index, self.examples[index])
 
     def evaluate_now(self, iteration: int) -> dict:
         """Held-out greedy accuracy of the engines' current version, in the calling thread
@@ -294,10 +295,9 @@ class Producer:
         return self._score_eval(texts, iteration, self.engine.version)
 
     def _eval_requests(self, iteration: int) -> dict[str, tuple[Request, int]]:
-        greedy = SamplingParams(max_tokens=self.cfg.engine.max_tokens, temperature=0.0, stop=list(self.cfg.engine.stop))
         if self._eval_prompt_ids is None:
-            self._eval_prompt_ids = encode_prompts(self.tokenizer, self.eval_examples, self.shots, self.cfg.data)
-        return {f"eval{iteration}-{i}": (Request(f"eval{iteration}-{i}", ids, 1, greedy, seed=i), i)
+            self._eval_prompt_ids = encode_prompts(self.tokenizer, self.eval_examples, self.shots, self.data)
+        return {f"eval{iteration}-{i}": (Request(f"eval{iteration}-{i}", ids, 1, self.greedy, seed=i), i)
                 for i, ids in enumerate(self._eval_prompt_ids)}
 
     def _score_eval(self, texts: dict[int, str], iteration: int, version: int) -> dict:
@@ -315,13 +315,13 @@ class Producer:
         return self.eval_results[version]
 
     def _prompt(self, example: Example):
-        return reward_prompt(example, self.shots, self.cfg.data)
+        return reward_prompt(example, self.shots, self.data)
 
     def trainer_state(self, iteration: int) -> TrainerState:
         """What reward functions get as `trainer_state` for the samples of `iteration`."""
-        steps = self.cfg.algorithm.optimizer_steps_per_iteration
-        return TrainerState(global_step=iteration * steps, max_steps=self.cfg.trainer.iterations * steps,
-                            epoch=iteration * self.cfg.algorithm.prompts_per_iteration / len(self.examples))
+        steps = self.algorithm.optimizer_steps_per_iteration
+        return TrainerState(global_step=iteration * steps, max_steps=self.trainer.iterations * steps,
+                            epoch=iteration * self.algorithm.prompts_per_iteration / len(self.examples))
 
     def _score(self, out: RequestOutput, index: int, example: Example, iteration: int, version: int,
                submitted: float) -> Group:
@@ -343,8 +343,8 @@ class Producer:
         except Exception as e:
             raise RewardError(f"iteration {iteration}, prompt {index} (request {out.request_id}): "
                               f"{type(e).__name__}: {e}") from e
-        advantages = grpo.group_advantages([float(r) for r in rewards], mode=self.cfg.algorithm.advantage,
-                                           eps=self.cfg.algorithm.advantage_eps).tolist()
+        advantages = grpo.group_advantages([float(r) for r in rewards], mode=self.algorithm.advantage,
+                                           eps=self.algorithm.advantage_eps).tolist()
         t1 = time.time()
         self.tracer.add("reward", "producer", t0, t1, request=out.request_id)
         return Group(

@@ -4,18 +4,30 @@ the settings that produced it (the paper's comparisons are only as good as their
 A run writes its resolved config (`config.yaml`) and its `run_info.json` (the git commit, then what
 the pipeline adds: the model path a hub id resolved to, the cores each process ran on) beside its
 outputs (`save_run_info`, `update_run_info`); every measured CSV row carries `git_commit` and the
-CPU (`cpu_name`, bench/protocol.py's `stamp`). Guarantees:
+CPU (`cpu_name`, `stamp`). A resumed run's logs are cut back to its checkpoint (`truncate_logs`).
+The results tables every experiment writes (results/*.csv) and the figures read back:
+
+    write_csv("results/x.csv", rows)          # each row stamped with git_commit and cpu
+    rows = read_csv("results/x.csv")          # [{column: text}], the file closed
+
+Guarantees:
 
 - the commit is read once per process (`git_commit`), so what the process writes itself (an
   experiment's CSVs, rewritten before its last rows are stamped) never marks its own rows dirty;
 - no secret value is ever written: everything saved here, logged to W&B (trace.py) or put on the
   command line W&B records passes through `redact_secrets`, which replaces the value of every
   environment variable with a secret-looking name (*TOKEN*, *KEY*, *SECRET*, *PASSWORD*,
-  *CREDENTIAL*) by '<redacted>', even pasted inside a config value.
+  *CREDENTIAL*) by '<redacted>', even pasted inside a config value;
+- every row a run measures says which tree and which machine measured it: `git_commit` and `cpu`
+  (CPU model, vector unit, cores). A row that already has the key keeps its value: a row read
+  back from an older CSV (even with an empty cell) or one carrying its run's own commit
+  (run_info.json). The columns are given, or the union of the rows' keys in first-seen order; a
+  missing value is an empty cell, a key outside `columns` an error.
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import functools
 import json
@@ -25,7 +37,7 @@ import re
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -105,3 +117,89 @@ def update_run_info(out_dir: str | Path, **fields: Any) -> None:
     path = Path(out_dir) / "run_info.json"
     info = json.loads(path.read_text()) if path.exists() else {}
     path.write_text(json.dumps(redact_secrets({**info, **fields}), indent=2))
+
+
+# --- a run's logs ----------------------------------------------------------------------------
+
+LOGS = ("metrics.jsonl", "eval.jsonl", "rollouts.jsonl", "trace.jsonl", "trace.chrome.json", "summary.json")
+"""What a run appends to under trainer.output_dir (books.py, trace.py)."""
+
+
+def remove_logs(out: Path) -> None:
+    """A fresh run: the logs of an earlier run in `out` are removed, never appended to."""
+    for name in LOGS:
+        (Path(out) / name).unlink(missing_ok=True)
+
+
+def truncate_logs(out: Path, completed: int) -> None:
+    """A resume from checkpoint-<completed>: the logs keep what the uninterrupted run would have
+    written by then, nothing later, so that the resumed run appends each iteration once (a hard
+    kill between checkpoints leaves rows of iterations the resumed run trains again):
+
+        rollouts.jsonl   rows of iterations < completed
+        metrics.jsonl    rows of steps <= completed (step = iterations completed), less the
+                         evaluation of a version >= completed (`eval/version`: an evaluation at
+                         the end of a stopped run; the resumed run evaluates that version again
+                         when trainer.eval_every says so, as the uninterrupted run did)
+        eval.jsonl       rows of versions < completed
+
+    A line left unfinished by a kill is dropped. trace.jsonl is a timeline of what ran, work
+    lost to the kill included: kept whole. Each file is replaced atomically."""
+    keep = {"rollouts.jsonl": lambda r: r["iteration"] < completed,
+            "metrics.jsonl": lambda r: r["step"] <= completed and r.get("eval/version", -1) < completed,
+            "eval.jsonl": lambda r: r["step"] < completed}
+    for name, wanted in keep.items():
+        path = Path(out) / name
+        if not path.is_file():
+            continue
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # the unfinished last line of a killed run
+                continue
+            if wanted(row):
+                kept.append(line + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
+
+# --- results tables (results/*.csv) ------------------------------------------------------------
+
+STAMP = ("git_commit", "cpu")
+"""The columns `write_csv` adds to every row that lacks them: the tree and the machine that measured it."""
+
+
+def stamp(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` with `git_commit` and `cpu` where a row lacks the key (a row that has it, even
+    empty, as one read back from an older CSV, keeps its value)."""
+    here = {"git_commit": git_commit(), "cpu": cpu_name()}
+    return [{**r, **{k: v for k, v in here.items() if k not in r}} for r in rows]
+
+
+def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None,
+              provenance: bool = True) -> Path:
+    """Write `rows` with `columns` (default: the union of keys, in first-seen order); missing
+    values are empty cells. Creates the parent directory. With `provenance` every row is stamped
+    (`stamp`) and the stamp's columns end the header when `columns` lacks them; without it (a
+    prediction no machine measured, a table with provenance columns of its own) rows are written as given."""
+    if provenance:
+        rows = stamp(rows)
+        if columns is not None:
+            columns = list(columns) + [c for c in STAMP if c not in columns]
+    if columns is None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), restval="", extrasaction="raise")
+        w.writeheader()
+        w.writerows(rows)
+    return p
+
+
+def read_csv(path: str | Path) -> list[dict[str, str]]:
+    """The rows of a CSV written by `write_csv` (or any CSV with a header), as text."""
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))

@@ -24,7 +24,8 @@ import torch
 from periodic_async.config import SFTRunConfig
 from periodic_async.data import encode_chats, few_shot_examples, load_examples, prompt_messages
 from periodic_async.evaluate import evaluate
-from periodic_async.model import is_lora, load_policy, num_parameters
+from periodic_async.lora import is_lora
+from periodic_async.model import load_policy, num_parameters
 from periodic_async.records import save_run_info
 from periodic_async.reward import make_accuracy
 from periodic_async.trace import MetricsLogger

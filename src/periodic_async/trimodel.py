@@ -60,7 +60,8 @@ from typing import Callable
 import torch
 
 from periodic_async import grpo
-from periodic_async.model import checkpoint_layers, is_lora
+from periodic_async.lora import is_lora, swapped_in, trainable
+from periodic_async.model import checkpoint_layers
 from periodic_async.shared_prompt import PackedBatch, token_logprobs
 
 
@@ -147,7 +148,7 @@ class TriModel:
             self.ref = None
             if layout is not None:  # the HF model inside (fsdp: its root runs the forwards, token_logprobs)
                 layout(self.lm)
-            self.old = None if self.skip_old else {n: p.detach().clone() for n, p in self._adapter()}
+            self.old = None if self.skip_old else {n: p.detach().clone() for n, p in trainable(policy)}
             return
         self.old = None if self.skip_old else _frozen_copy(policy)
         self.ref = _frozen_copy(policy) if cfg.beta > 0 else None
@@ -155,25 +156,6 @@ class TriModel:
             for model in (policy, self.old, self.ref):
                 if model is not None:
                     layout(model)
-
-    def _adapter(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """LoRA: the policy's trainable (adapter) parameters, by name."""
-        return [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
-
-    @contextlib.contextmanager
-    def _old_adapter(self):
-        """LoRA: the old adapter tensors in the policy's adapter for the duration (copied in, and
-        the policy's copied back after): exact, and no graph may hold the adapter meanwhile."""
-        with torch.no_grad():
-            adapter = self._adapter()
-            held = [p.detach().clone() for _, p in adapter]
-            for n, p in adapter:
-                p.copy_(self.old[n])
-            try:
-                yield
-            finally:
-                for (_, p), h in zip(adapter, held):
-                    p.copy_(h)
 
     def forward(self, packed: PackedBatch, with_entropy: bool = True) -> TriLogprobs:
         """Log-probs of the three models on one packed micro-batch (same input, layout, device)."""
@@ -183,7 +165,7 @@ class TriModel:
             if self.lora:  # old and ref first: they run through the policy's own modules
                 with torch.no_grad():
                     if self.old is not None:
-                        with self._old_adapter():
+                        with swapped_in(self.policy, self.old):
                             old_N = token_logprobs(self.lm, packed, **kw)
                     if self.cfg.beta > 0:
                         with self.policy.disable_adapter():
@@ -275,7 +257,7 @@ class TriModel:
         if self.old is None:
             return
         if self.lora:  # the adapter tensors alone: the base is shared and frozen
-            for name, p in self._adapter():
+            for name, p in trainable(self.policy):
                 self.old[name].copy_(p)
             return
         for (name, p_old), (name_p, p) in zip(self.old.named_parameters(), self.policy.named_parameters()):

@@ -1,7 +1,6 @@
 """Benchmarks: one protocol for every throughput experiment, and the figures drawn from results.
 
     protocol.py   systems interleaved over repeats, medians with min-max, commit and config per row
-    tables.py     results/*.csv: written with each row's commit and CPU, read back
     trl.py        the peer baseline of Table 2: TRL's GRPOTrainer on our model, prompts and reward
     hf_generate.py  the peer baseline of the engine benchmark: transformers' static-batch `generate`
     plots.py      figures from saved artifacts (trace.jsonl, results/*.csv); notebooks call these

@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from periodic_async.bench.tables import read_csv
+from periodic_async.records import read_csv
 from periodic_async.trace import read_jsonl
 
 

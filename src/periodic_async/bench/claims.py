@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from periodic_async.bench.analysis import best_splits, read_results, summary
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 
 PAPER = "arXiv 2511.18871"
 UNVERIFIED = f"{PAPER}; version and table unverified"

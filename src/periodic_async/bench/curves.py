@@ -20,7 +20,7 @@ from pathlib import Path
 from periodic_async.bench.analysis import identical_iterations, max_abs_diff, paired_gain_stderr
 from periodic_async.bench.plots import plot_reward_curves, plot_reward_vs_time
 from periodic_async.bench.protocol import SharedEngines
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.config import RunConfig, load_config
 from periodic_async.pipeline import run
 from periodic_async.trace import read_jsonl

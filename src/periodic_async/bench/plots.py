@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Sequence
 
-from periodic_async.bench.tables import read_csv
+from periodic_async.records import read_csv
 from periodic_async.trace import read_jsonl
 
 

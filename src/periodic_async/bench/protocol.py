@@ -4,14 +4,14 @@ engine): the compared systems run interleaved, repeated, and reported as median 
     systems = [System("sync", lambda: run(cfg_a), settings=cfg_a), System("async", ..., settings=cfg_b)]
     results = measure(systems, repeats=3, warmup_rounds=0)      # A B A B A B
     rows = [results["async"].row(["tokens_per_s"]) | {...} for ...]
-    write_csv("results/x.csv", rows)                             # bench/tables.py
+    write_csv("results/x.csv", rows)                             # records.py
 
 Rules it enforces:
 - **Interleaved**: round r runs every system once, in the order given (A B C A B C ...), so a
   slow spell of a shared machine hits every system alike instead of one system's runs.
 - **Repeated**: `repeats` >= 1 measured rounds (experiments use >= 3); an optional warm-up
   round runs every system first and is discarded. A system's own warm-up *inside* a run
-  (the first iteration of a pipeline run, see `pipeline._summary`) is the callable's job.
+  (the first iteration of a pipeline run, see `books.summary`) is the callable's job.
 - **Median, min, max** of every numeric metric over the measured rounds (`Stats`), and
   paired ratios between two systems (round r of A over round r of B: the interleaving
   makes them the fairest comparison of a noisy machine).
@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import yaml
 
-from periodic_async.engine import served_model
+from periodic_async.lora import served_model
 from periodic_async.pipeline import build_engine
 from periodic_async.records import git_commit
 

@@ -17,7 +17,8 @@ room for the response names the example and the numbers (a `DataError`).
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Sequence
 
 from periodic_async.config import DataConfig
 from periodic_async.data.tasks import DataError, Example
@@ -104,6 +105,28 @@ def fit_to_context(examples: list[Example], shots: list[Example], tokenizer, max
     logger.info(msg)
     dropped = set(too_long)
     return [e for k, e in enumerate(examples) if k not in dropped]
+
+
+_LOADED: dict[tuple, tuple[list, ...]] = {}  # the last few data sets of this process
+
+
+def load_once(data: DataConfig, tokenizer, load: Callable[[], tuple[list, ...]], *depends) -> tuple[list, ...]:
+    """`load()` (lists of examples, e.g. loaded and checked by `fit_to_context`), once per process
+    for the same inputs: a process that runs several times on the same data (a benchmark's systems,
+    resumed legs) loads and checks it once. The key is everything the result depends on: the data
+    settings, the source file's size and time, the tokenizer and its chat template, and `depends`
+    (the response budget and the model's context, say). The last 4 are kept; each call returns
+    fresh lists."""
+    source = Path(data.source)
+    st = source.stat() if source.exists() else None
+    key = (repr(data), (st.st_mtime_ns, st.st_size) if st else None, *depends, type(tokenizer).__name__,
+           getattr(tokenizer, "name_or_path", ""), len(tokenizer), getattr(tokenizer, "chat_template", None))
+    if key not in _LOADED:
+        loaded = load()
+        while len(_LOADED) >= 4:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = loaded
+    return tuple(list(x) for x in _LOADED[key])
 
 
 def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:

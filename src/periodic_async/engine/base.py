@@ -16,13 +16,17 @@ off-policy trainer can use them as its old log-probs. Why un-truncated: see
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
+
+from periodic_async.config import Sampling
+from periodic_async.lora import is_lora, load_adapter
 
 
 class EngineError(RuntimeError):
@@ -41,29 +45,22 @@ class EngineError(RuntimeError):
 
 
 @dataclass
-class SamplingParams:
+class SamplingParams(Sampling):
+    """How one request is sampled: `config.Sampling`'s fields (engine.max_tokens, temperature,
+    top_p, top_k, stop), max_tokens required here, and `ignore_eos`. A bad value is a ConfigError
+    (a ValueError) naming SamplingParams.<field>."""
+
     max_tokens: int
-    """Most tokens generated per sample."""
-    temperature: float = 1.0
-    """0 means greedy (argmax of the raw logits)."""
-    top_p: float = 1.0
-    """Nucleus mass in (0, 1]."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 disables."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings: a sample ends ('stop') once its text contains one; the text is cut before it."""
     ignore_eos: bool = False
     """Keep generating past eos (benchmarks: make every sample exactly max_tokens long)."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens={self.max_tokens}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature={self.temperature}: must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k={self.top_k}: must be >= 0")
+        self.check_sampling("SamplingParams")
+
+    @classmethod
+    def of(cls, sampling: Sampling) -> "SamplingParams":
+        """The params of `sampling`'s fields (the run's `engine` section), each copied."""
+        return cls(**{f.name: copy.copy(getattr(sampling, f.name)) for f in fields(Sampling)})
 
 
 @dataclass
@@ -141,7 +138,7 @@ class Engine(ABC):
     @abstractmethod
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         """Load `state_dict` on every worker and set `version`; returns the seconds it took. An
-        engine built with model.lora.enabled takes the adapter alone (`load_adapter`)."""
+        engine built with model.lora.enabled takes the adapter alone (`lora.load_adapter`)."""
 
     @property
     @abstractmethod
@@ -216,79 +213,12 @@ def numpy_to_state(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch
     return out
 
 
-def adapter_spec(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """name -> shape of the LoRA adapter of peft model `model`, named as
-    `peft.get_peft_model_state_dict` names it (what the trainer pushes with model.lora.enabled)."""
-    from peft import get_peft_model_state_dict
-
-    from periodic_async.model import adapter_parameters
-
-    params = adapter_parameters(model) or get_peft_model_state_dict(model)  # the first: found once per model
-    return {k: tuple(v.shape) for k, v in params.items()}
-
-
-def _names(names, k: int = 3) -> str:
-    names = sorted(names)
-    return ", ".join(names[:k]) + (f" (and {len(names) - k} more)" if len(names) > k else "")
-
-
-class AdapterError(ValueError):
-    """A push to an engine serving LoRA adapters that is not its adapter (one line, names what)."""
-
-
-def check_adapter(state_dict: dict[str, torch.Tensor], spec: dict[str, tuple[int, ...]]) -> None:
-    """Raise an AdapterError, one line, unless `state_dict` is exactly the adapter `spec`
-    describes: the same names, the same shapes, floating-point tensors."""
-    unknown, missing = set(state_dict) - set(spec), set(spec) - set(state_dict)
-    if unknown or missing:
-        parts = ([f"{len(unknown)} names not in the adapter: {_names(unknown)}"] if unknown else []) + \
-                ([f"{len(missing)} adapter tensors missing: {_names(missing)}"] if missing else [])
-        raise AdapterError("update_weights: the engine serves LoRA adapters (model.lora.enabled) and the pushed "
-                         f"state dict is not this engine's LoRA adapter ({len(spec)} tensors named as "
-                         "peft.get_peft_model_state_dict names them): " + "; ".join(parts))
-    for name, t in state_dict.items():
-        if tuple(t.shape) != spec[name]:
-            raise AdapterError(f"update_weights: not this engine's LoRA adapter: {name} has shape {tuple(t.shape)}, "
-                             f"the engine's adapter {spec[name]} (model.lora.rank and target_modules must match "
-                             "the trainer's)")
-        if not t.is_floating_point():
-            raise AdapterError(f"update_weights: not this engine's LoRA adapter: {name} is {t.dtype}, "
-                               "not a float tensor")
-
-
-@torch.no_grad()
-def load_adapter(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
-                 spec: dict[str, tuple[int, ...]] | None = None) -> None:
-    """Copy the LoRA adapter `state_dict` (names of `peft.get_peft_model_state_dict`) into peft
-    model `model` in place, after `check_adapter` (against `spec`, default `adapter_spec(model)`):
-    a payload that is not the model's adapter raises before anything is copied. The copy goes
-    straight into the adapter's parameters (found once per model), not through
-    `peft.set_peft_model_state_dict`, which walks the whole model's state dict at every push. The
-    adapter stays unmerged: the model computes base(x) + scale * B(A(x)) as the trainer's
-    PeftModel does."""
-    from periodic_async.model import adapter_parameters
-
-    check_adapter(state_dict, adapter_spec(model) if spec is None else spec)
-    params = adapter_parameters(model)
-    if params is None:  # peft's own loader (a peft version whose state dict is not views)
-        from peft import set_peft_model_state_dict
-
-        result = set_peft_model_state_dict(model, state_dict)
-        if result.unexpected_keys:
-            raise AdapterError(f"update_weights: peft did not load {_names(result.unexpected_keys)}")
-        return
-    for name, value in state_dict.items():
-        params[name].copy_(value)
-
-
 @torch.no_grad()
 def load_weights(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
                  spec: dict[str, tuple[int, ...]] | None = None) -> None:
     """Copy `state_dict` into `model` in place (same names as `model.state_dict()`).
     Unknown names raise; every parameter must be covered (a tied weight once is enough).
-    A peft model (model.lora.enabled) takes its adapter alone (`load_adapter`, `spec` its shapes)."""
-    from periodic_async.model import is_lora
-
+    A peft model (model.lora.enabled) takes its adapter alone (`lora.load_adapter`, `spec` its shapes)."""
     if is_lora(model):
         return load_adapter(model, state_dict, spec)
     own = model.state_dict(keep_vars=True)

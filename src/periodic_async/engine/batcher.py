@@ -14,11 +14,11 @@ additive mask (row r sees keys 0..length_r), so any HF causal LM whose attention
 Prefill: a request's prompt runs once (batch 1, no padding); its KV is copied into each of
 its n slots, and its last logits give every sample's first token (like vLLM with n > 1).
 
-LoRA (model.lora.enabled): the model is the peft model `apply_lora(base)` and runs as the
+LoRA (model.lora.enabled): the model is the peft model `lora.apply_lora(base)` and runs as the
 trainer's PeftModel does, the adapter unmerged (base(x) + scale * B(A(x)) in every adapted
 linear: the same arithmetic as the trainer, so float64 log-probs agree bitwise; merging B A into
 the base weights would round differently and need the base kept to unmerge at the next push).
-`update_weights` then takes the adapter alone (`base.load_adapter`).
+`update_weights` then takes the adapter alone (`lora.load_adapter`).
 
 Reproducibility: sample k of a request draws its uniforms from its own Philox generator
 seeded from (seed, k), and one uniform per token picks the token by inverse CDF, so the
@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from periodic_async.engine.base import EngineError, Request, RequestOutput, Sample, adapter_spec, load_weights
-from periodic_async.model import is_lora
+from periodic_async.engine.base import EngineError, Request, RequestOutput, Sample, load_weights
+from periodic_async.lora import adapter_spec, is_lora
 
 MIN_ROWS = 4
 """Decode at least this many rows (dummies fill the rest): keeps GEMMs on one kernel path."""

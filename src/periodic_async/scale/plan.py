@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> list[PlanPoint]:
     if not points:
         print("no deployment fits: the model needs at least one engine and D0 trainer devices")
     if a.csv:
-        from periodic_async.bench.tables import write_csv
+        from periodic_async.records import write_csv
 
         write_csv(a.csv, [asdict(p) for p in points], provenance=False)  # a prediction: no machine measured it
     return points

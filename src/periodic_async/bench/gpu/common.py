@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from periodic_async.bench.tables import write_csv
+from periodic_async.records import write_csv
 from periodic_async.records import cpu_name, git_commit
 
 PACKAGE = Path(__file__).resolve().parents[2]

@@ -1,64 +1,17 @@
-"""TRL's GRPO interface on this pipeline: a script written for TRL 1.16's `GRPOTrainer` runs here
-with its import line changed.
-
-    from periodic_async import GRPOConfig, GRPOTrainer      # was: from trl import GRPOConfig, GRPOTrainer
-
-    trainer = GRPOTrainer(model="HuggingFaceTB/SmolLM2-135M-Instruct", reward_funcs=[my_reward],
-                          args=GRPOConfig(output_dir="out", max_steps=10, num_generations=4), train_dataset=ds)
-    trainer.train()
-    trainer.save_model("out/final")
-
-What it is: `GRPOConfig` takes TRL's field names (with TRL's defaults) and maps each to a
-`RunConfig` (`GRPOConfig.run_config`; the table is docs/trl.md); `GRPOTrainer` turns the dataset
-and reward functions into a `pipeline.Task` and runs `pipeline.run`: the producer-consumer
-pipeline of the paper (periodic-async by default, the shared prompt on), strictly on-policy.
-
-Guarantees:
-- Nothing is silently ignored. A TRL field is either mapped, accepted with no effect here
-  (`NO_EFFECT`, each with the reason: the trainer prints the ones a script set), accepted only at
-  the value that means what we do (`ONLY_DEFAULT`: another value is refused), or refused
-  (`REFUSED`: a feature we lack, accepted at TRL's default, which leaves it off); a name that is
-  none of these is refused too. Every refusal is one `ConfigError` line naming the field and why.
-  So a config that passes every TRL field at TRL's defaults is taken.
-- TRL's defaults mean what they mean in TRL 1.16 / transformers 5 (the schedule, warm-up, save
-  and eval intervals, epochs, checkpoints kept, reporting), except the few in `DEFAULTS_DIFFER`,
-  each with its reason.
-- Under torchrun every rank runs the script, as with TRL; rank 0 alone writes (TRL's
-  `is_world_process_zero`) and the other ranks wait for it.
-- The data are TRL's: a `prompt` column holding a text (tokenized as it is) or chat messages
-  (through the tokenizer's chat template, with the generation prompt); every other column reaches
-  the reward functions as TRL passes them.
-- The rewards are TRL's: each function is called as TRL calls it, `f(prompts=, completions=,
-  completion_ids=, trainer_state=, log_extra=, log_metric=, **columns)`, with `completions` as
-  [{"role": "assistant", "content": text}] lists for conversational prompts; a coroutine function
-  is awaited; None means "not applicable" (NaN): the weighted sum ignores it, a sample that no
-  function scored is left out of its group's baseline and gets advantage 0 (TRL 1.16).
-- The loss is TRL's where TRL's is defined on the whole batch ("dapo", "dr_grpo", "grpo"), with its
-  bias-corrected KL, its vLLM importance correction (with use_vllm=True) and dapo's normaliser over
-  the generation batch at every optimizer step, and the advantages are TRL's ((r - mean_G) /
-  (std_G + 1e-4), unbiased std): tests/test_trl_api.py checks both against TRL's own GRPOTrainer on
-  one batch.
-"""
+"""TRL's GRPOConfig on this pipeline: TRL 1.16's field names and defaults, each mapped to a
+`RunConfig` field, taken with no effect, taken at one value only, or refused (the tables below;
+docs/trl.md renders them)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import datetime
-import inspect
-import itertools
 import json
 import math
 import os
-import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from periodic_async.config import ConfigError, RunConfig, UserError, load_config
-from periodic_async.data import DataError, Example
-
-# --- the config ------------------------------------------------------------------------------
+from periodic_async.config import ConfigError, RunConfig, load_config
 
 NO_EFFECT: dict[str, str] = {
     "logging_first_step": "every iteration is logged",
@@ -256,6 +209,27 @@ SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "c
 get_constant_schedule), "constant_with_warmup" has."""
 
 
+def _positive(value) -> bool:
+    return value >= 1
+
+
+ALLOWED: dict[str, tuple[tuple | Callable[[Any], bool], str]] = {
+    "loss_type": (tuple(LOSS_TYPES), "the others are not implemented; 'bnpo' normalises by each micro-batch's own "
+                                     "tokens, so the gradient depends on how the batch is split ('dapo' normalises "
+                                     "by the whole batch's)"),
+    "scale_rewards": (("group", "none"), "groups are scored as they finish, before the batch's std exists"),
+    "lr_scheduler_type": (tuple(SCHEDULERS), "transformers' other schedules are not implemented"),
+    "optim": (lambda value: str(value).startswith("adamw"), "the optimizer is AdamW: any 'adamw*' name"),
+    "save_strategy": (("steps", "no"), "checkpoints follow save_steps"),
+    "eval_strategy": (("no", "steps"), "held-out evaluation follows eval_steps"),
+    "per_device_train_batch_size": (_positive, "a count: at least 1"),
+    "gradient_accumulation_steps": (_positive, "a count: at least 1"),
+    "num_generations": (_positive, "a count: at least 1"),
+}
+"""Mapped fields that take only some values: field -> (the values, or a test of one; why). Another
+value is one ConfigError line naming the field, the reason and the values taken."""
+
+
 @dataclass(init=False)
 class GRPOConfig:
     """TRL 1.16's GRPOConfig names and defaults for what this pipeline does, plus our own settings
@@ -364,7 +338,7 @@ class GRPOConfig:
     def __init__(self, *args, **kwargs) -> None:
         """The fields above by keyword (or by position, in their order), each at its default when
         left out; any other TRL field is taken with no effect (kept in `no_effect`), taken at the
-        one value that means what we do, or refused: one `ConfigError` line (module docstring)."""
+        one value that means what we do, or refused: one `ConfigError` line (trl_api's docstring)."""
         fields = [f for f in dataclasses.fields(self) if f.name != "no_effect"]
         if len(args) > len(fields):
             raise TypeError(f"GRPOConfig() takes at most {len(fields)} positional arguments, {len(args)} were given")
@@ -399,33 +373,17 @@ class GRPOConfig:
             setattr(self, name, getattr(value, "value", value))
         if isinstance(self.scale_rewards, bool):
             self.scale_rewards = "group" if self.scale_rewards else "none"
-        if self.loss_type not in LOSS_TYPES:
-            why = ("normalises by each micro-batch's own tokens, so the gradient depends on how the batch is split; "
-                   "'dapo' normalises by the whole batch's" if self.loss_type == "bnpo" else "not implemented")
-            raise ConfigError(f"GRPOConfig(loss_type={self.loss_type!r}): not supported here ({why}); "
-                              f"expected one of {', '.join(LOSS_TYPES)}")
+        for name, (allowed, why) in ALLOWED.items():
+            value = getattr(self, name)
+            if not (allowed(value) if callable(allowed) else value in allowed):
+                expected = "" if callable(allowed) else f"; expected {' or '.join(map(repr, allowed))}"
+                raise ConfigError(f"GRPOConfig({name}={value!r}): not supported here ({why}){expected}")
         if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         try:  # TRL's rules for the importance correction, checked where our field is
             self._algorithm_values()
         except ConfigError as e:
             raise ConfigError(f"GRPOConfig(vllm_importance_sampling_*): {e}") from None
-        if self.scale_rewards not in ("group", "none"):
-            raise ConfigError(f"GRPOConfig(scale_rewards={self.scale_rewards!r}): not supported here "
-                              "(groups are scored as they finish, before the batch's std exists); "
-                              "expected 'group' or 'none'")
-        if self.lr_scheduler_type not in SCHEDULERS:
-            raise ConfigError(f"GRPOConfig(lr_scheduler_type={self.lr_scheduler_type!r}): not supported here; expected "
-                              f"one of {', '.join(SCHEDULERS)}")
-        if not str(self.optim).startswith("adamw"):
-            raise ConfigError(f"GRPOConfig(optim={self.optim!r}): not supported here (the optimizer is AdamW)")
-        if self.save_strategy not in ("steps", "no"):
-            raise ConfigError(f"GRPOConfig(save_strategy={self.save_strategy!r}): expected 'steps' or 'no'")
-        if self.eval_strategy not in ("no", "steps"):
-            raise ConfigError(f"GRPOConfig(eval_strategy={self.eval_strategy!r}): expected 'no' or 'steps'")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"GRPOConfig({name}={getattr(self, name)!r}): must be >= 1")
         per_step = self.per_device_train_batch_size * _world_size()
         if self.generation_batch_size is not None and self.steps_per_generation is not None and \
                 self.generation_batch_size != per_step * self.steps_per_generation:
@@ -545,6 +503,7 @@ class GRPOConfig:
         return load_config(RunConfig, None, overrides + list(self.overrides))
 
 
+
 def _every(steps: float, per_iteration: int, total: int) -> int:
     """TRL's *_steps (optimizer steps, or a fraction of the run below 1, rounded up as transformers'
     TrainerState.compute_steps) in iterations: the first iteration's end at or after them."""
@@ -556,463 +515,9 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-SYNC_TIMEOUT_S = 1800.0
-"""How long a rank waits for rank 0's writes (transformers' ddp_timeout default)."""
-_SYNCS = itertools.count()  # every rank makes the same calls in the same order: the n-th is one key
-
-
-def _on_main_process(write: Callable[[], None], what: str) -> None:
-    """`write()` on the main process only (rank 0: TRL's `is_world_process_zero`); under torchrun
-    the other ranks wait until it is done, and raise if it failed. They wait on torchrun's
-    rendezvous store (MASTER_ADDR:MASTER_PORT), which is there before a run joins the process
-    group and after the run closes it."""
-    if _world_size() <= 1:
-        write()
-        return
-    from periodic_async.parallel.distributed import _connect
-
-    store = _connect()
-    store.set_timeout(datetime.timedelta(seconds=SYNC_TIMEOUT_S))
-    key = f"trl_api/{next(_SYNCS)}"
-    if _rank() == 0:
-        try:
-            write()
-        except BaseException as e:
-            store.set(key, f"{type(e).__name__}: {e}")
-            raise
-        store.set(key, "")
-        return
-    error = store.get(key).decode()  # blocks until rank 0 has set it
-    if error:
-        raise UserError(f"rank {_rank()}: rank 0 failed to {what}: {error}")
-
-
 def _accelerator() -> bool:
     import torch
 
     return torch.cuda.is_available() or (hasattr(torch, "npu") and torch.npu.is_available())
 
 
-# --- data and rewards ------------------------------------------------------------------------
-
-def _rows(dataset, what: str) -> list[dict]:
-    """The rows of a `datasets.Dataset` (or a list of dicts) as plain dicts."""
-    if dataset is None:
-        return []
-    if hasattr(dataset, "to_list"):
-        return dataset.to_list()
-    if isinstance(dataset, (list, tuple)):
-        return [dict(r) for r in dataset]
-    raise DataError(f"GRPOTrainer({what}=...): expected a datasets.Dataset or a list of dicts, got "
-                    f"{type(dataset).__name__} (an IterableDataset is not supported: "
-                    "the prompts are reshuffled per epoch)")
-
-
-def _is_messages(prompt: Any) -> bool:
-    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
-
-
-def to_examples(dataset, what: str = "train_dataset") -> list[Example]:
-    """TRL's prompt-only dataset formats as Examples: a `prompt` text or a `prompt` list of chat
-    messages; every column kept for the reward functions (TRL passes all but `prompt`). A row
-    without `prompt`, or with one of neither form, is a DataError naming the row."""
-    examples = []
-    for i, row in enumerate(_rows(dataset, what)):
-        if row.get("prompt") is None:  # a datasets.Dataset fills a row's missing column with None
-            raise DataError(f"{what} row {i}: no 'prompt' column (TRL's formats: a 'prompt' text or a list of chat "
-                            f"messages); it has {sorted(row)}")
-        prompt = row["prompt"]
-        if isinstance(prompt, str):
-            question = prompt
-        elif _is_messages(prompt) and prompt:
-            prompt = [dict(m) for m in prompt]
-            question = next((m["content"] for m in reversed(prompt) if m["role"] == "user"), str(prompt[-1]["content"]))
-        else:
-            raise DataError(f"{what} row {i}: 'prompt' is {type(prompt).__name__} {prompt!r:.80}: expected a text or a "
-                            "list of {'role', 'content'} messages")
-        answer = row.get("answer")
-        examples.append(Example(str(question), "" if answer is None else str(answer), id=str(row.get("id", i)),
-                                columns=dict(row), prompt=prompt))
-    return examples
-
-
-class _Logs:
-    """What reward functions hand to `log_metric(name, value)` and `log_extra(column, values)`."""
-
-    def __init__(self) -> None:
-        self.metrics: list[tuple[str, float]] = []
-        self.extra: list[tuple[str, list]] = []
-
-    def log_metric(self, name: str, value: float) -> None:
-        self.metrics.append((name, float(value)))
-
-    def log_extra(self, column: str, values: list) -> None:
-        self.extra.append((column, list(values)))
-
-
-def trl_reward(funcs: Sequence[Callable], weights: Sequence[float], logs: _Logs | None = None) -> Callable:
-    """The producer's reward (f(prompts, completions, **columns) -> list of floats) from reward
-    functions called as TRL 1.16 calls them (see the module docstring). A function that raises or
-    returns the wrong count, a non-number or a non-finite number stops the run with a RewardError
-    naming it; None is "not applicable"."""
-    from periodic_async.reward import RewardError
-
-    logs = logs or _Logs()
-    names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
-
-    def reward(prompts: Sequence, completions: Sequence[str], **kwargs) -> list[float]:
-        conversational = _is_messages(prompts[0]) if prompts else False
-        comps = [[{"role": "assistant", "content": c}] for c in completions] if conversational else list(completions)
-        kwargs.setdefault("log_extra", logs.log_extra)
-        kwargs.setdefault("log_metric", logs.log_metric)
-        total = [math.nan] * len(completions)
-        for f, name, w in zip(funcs, names, weights, strict=True):
-            out = f(prompts=list(prompts), completions=comps, **kwargs)
-            if inspect.isawaitable(out):
-                out = asyncio.run(_awaited(out))
-            try:
-                values = [math.nan if v is None else float(v) for v in out]
-            except (TypeError, ValueError) as e:
-                raise RewardError(f"reward function {name!r} returned {out!r:.200}: expected numbers or None ({e})") \
-                    from None
-            if len(values) != len(completions):
-                raise RewardError(f"reward function {name!r} returned {len(values)} rewards for {len(completions)} "
-                                  "completions")
-            if any(math.isinf(v) for v in values):
-                raise RewardError(f"reward function {name!r} returned an infinite reward: {values}")
-            total = [t if math.isnan(v) else (0.0 if math.isnan(t) else t) + w * v for t, v in zip(total, values)]
-        return total
-
-    return reward
-
-
-async def _awaited(awaitable):
-    return await awaitable
-
-
-def _nan_accuracy(prompts: Sequence, completions: Sequence[str], **kwargs) -> list[float]:
-    """No accuracy function applies (no `answer` column, no GRPOConfig.accuracy_function): NaN."""
-    return [math.nan] * len(completions)
-
-
-# --- the trainer -----------------------------------------------------------------------------
-
-@dataclass
-class TrainOutput:
-    """What `train()` returns, as transformers' TrainOutput: the optimizer steps taken, the mean
-    training loss over them, and the run's summary metrics."""
-
-    global_step: int
-    training_loss: float
-    metrics: dict[str, Any]
-
-
-class GRPOTrainer:
-    """TRL's `GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class)`
-    on this pipeline; see the module docstring.
-
-    model: a Hugging Face model directory, a hub id ('org/name': its snapshot in the local Hugging Face
-    cache, downloaded when the hub is reachable), a preset name (config.py) or a `PreTrainedModel` (saved
-    to <output_dir>/initial_model with its tokenizer, by rank 0 under torchrun: the engines load
-    weights from a directory).
-    reward_funcs: a function, a 'module:function' name, or a list of them (TRL's signature).
-    processing_class: the tokenizer; None: the model directory's own.
-    peft_config: a `peft.LoraConfig`: LoRA adapters train on the frozen model (model.lora; `lora_from_peft`
-    says what is taken); `save_model` then writes the adapter, as TRL does for a PEFT model.
-    """
-
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None, **kwargs) -> None:
-        for name, value in kwargs.items():
-            if value is not None and value != (None, None):  # TRL's optimizers=(None, None)
-                raise ConfigError(f"GRPOTrainer({name}=...): not supported here "
-                                  f"({REFUSED.get(name, 'not an argument we take')})")
-        self.args = args or GRPOConfig()
-        if self.args.no_effect:
-            print(f"[GRPOConfig] no effect here: {', '.join(sorted(self.args.no_effect))} (docs/trl.md says why)")
-        self.output_dir = Path(self.args.output_dir or "trainer_output")
-        from periodic_async.model import is_lora
-
-        if is_lora(model):
-            raise ConfigError("GRPOTrainer(model=<PeftModel>): pass the base model and the adapter's settings as "
-                              "peft_config=LoraConfig(...) (the engines load the base and take the adapter at each "
-                              "push)")
-        self.lora = None if peft_config is None else lora_from_peft(peft_config, model)
-        """model.lora of the run (from TRL's peft_config), or None: the full model trains."""
-        self.model_path = self._model_path(model, processing_class)
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if not funcs:
-            raise ConfigError("GRPOTrainer(reward_funcs=[]): at least one reward function is needed")
-        self.reward_funcs = [self._reward_fn(f) for f in funcs]
-        weights = self.args.reward_weights or [1.0] * len(self.reward_funcs)
-        if len(weights) != len(self.reward_funcs):
-            raise ConfigError(f"GRPOConfig(reward_weights={weights}): {len(weights)} weights for "
-                              f"{len(self.reward_funcs)} reward functions")
-        self.logs = _Logs()
-        self.reward = trl_reward(self.reward_funcs, weights, self.logs)
-        if train_dataset is None:
-            raise ConfigError("GRPOTrainer(train_dataset=None): a training dataset is needed")
-        self.train_examples = to_examples(train_dataset, "train_dataset")
-        if not self.train_examples:
-            raise DataError("GRPOTrainer(train_dataset=...): the dataset is empty")
-        # eval_strategy='no': TRL never evaluates, so the eval_dataset is not used (nor needs an accuracy)
-        self.eval_examples = to_examples(eval_dataset if self.args.eval_strategy != "no" else None, "eval_dataset")
-        self.accuracy = self._accuracy_fn()
-        if self.eval_examples and self.accuracy is _nan_accuracy:
-            raise ConfigError("GRPOTrainer(eval_dataset=...): held-out evaluation reports accuracy, and none applies: "
-                              "give the dataset an 'answer' column or set GRPOConfig(accuracy_function=...)")
-        self.state = None  # the run's summary once trained
-        self._model = None
-
-    def _model_path(self, model, processing_class) -> str:
-        """A directory (or preset name) the trainer and the engines load; see the class docstring."""
-        if isinstance(model, (str, os.PathLike)):
-            from periodic_async.model import resolve_model_path
-
-            path = resolve_model_path(str(model))  # a hub id ('org/name', as TRL takes): its cached snapshot
-            if processing_class is not None:
-                if not (Path(path) / "tokenizer_config.json").is_file():
-                    wrong = f"the tokenizer was not saved with the model: {path} has no tokenizer_config.json"
-                elif not _same_tokenizer(processing_class, path):
-                    wrong = f"differs from the tokenizer saved with the model in {path}"
-                else:
-                    return path
-                raise ConfigError(f"GRPOTrainer(processing_class=...): {wrong} (the engines decode with the model "
-                                  "directory's own): save it there (processing_class.save_pretrained(...)) or pass "
-                                  "processing_class=None")
-            return path
-        if not hasattr(model, "save_pretrained"):
-            raise ConfigError(f"GRPOTrainer(model=...): expected a model directory, a preset name or a "
-                              f"PreTrainedModel, got {type(model).__name__}")
-        out = self.output_dir / "initial_model"
-        tokenizer = processing_class
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            source = getattr(model, "name_or_path", "")
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(source)
-            except Exception as e:  # noqa: BLE001 - one line: the user passes processing_class
-                raise ConfigError(f"GRPOTrainer(model=<{type(model).__name__}>): no processing_class given and its "
-                                  f"tokenizer cannot be loaded from {source!r} ({type(e).__name__}); pass "
-                                  "processing_class=tokenizer") from None
-
-        def write() -> None:
-            if out.exists():
-                shutil.rmtree(out)
-            model.save_pretrained(out)
-            tokenizer.save_pretrained(out)
-
-        _on_main_process(write, f"write {out}")
-        return str(out)
-
-    def _reward_fn(self, f):
-        if isinstance(f, str):
-            from periodic_async.reward import load_reward_fn
-
-            if ":" not in f:
-                raise ConfigError(f"GRPOTrainer(reward_funcs={f!r}): reward models are not supported here; pass a "
-                                  "function or 'module:function'")
-            return load_reward_fn(f)
-        if not callable(f) or hasattr(f, "forward"):
-            raise ConfigError(f"GRPOTrainer(reward_funcs=<{type(f).__name__}>): reward models are not supported here; "
-                              "pass reward functions")
-        return f
-
-    def _accuracy_fn(self):
-        from periodic_async.config import RewardConfig
-        from periodic_async.reward import make_accuracy
-
-        spec = self.args.accuracy_function
-        if spec is not None:  # called as the reward functions are (TRL's arguments)
-            return trl_reward([self._reward_fn(spec)], [1.0])
-        if all("answer" in e.columns for e in self.train_examples + self.eval_examples):
-            return make_accuracy(RewardConfig())
-        return _nan_accuracy
-
-    def run_config(self) -> RunConfig:
-        """The run's RunConfig (GRPOConfig.run_config on this dataset and model; model.lora from peft_config)."""
-        cfg = self.args.run_config(len(self.train_examples), self.model_path)
-        if self.lora is not None:
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=self.lora))
-        return cfg
-
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
-        """Run the pipeline; returns TrainOutput(global_step, training_loss, metrics), from the run's
-        summary (the same steps and loss on every rank under torchrun)."""
-        from periodic_async import pipeline
-
-        cfg = self.run_config()
-        if resume_from_checkpoint:
-            cfg.trainer.resume = "auto" if resume_from_checkpoint is True else str(resume_from_checkpoint)
-        if self.args.max_prompt_length is not None:
-            self._check_prompt_lengths(cfg)
-        task = pipeline.Task(self.train_examples, self.eval_examples, self.reward, self.accuracy)
-        summary = pipeline.run(cfg, task=task)  # on every rank under torchrun (the other ranks' summary is short)
-        self.state = summary
-        self._model = None
-        steps = cfg.trainer.iterations * cfg.algorithm.optimizer_steps_per_iteration  # the run ends there
-        return TrainOutput(global_step=steps, training_loss=summary.get("train_loss", math.nan), metrics=summary)
-
-    def is_world_process_zero(self) -> bool:
-        """Whether this is the main process (rank 0 under torchrun), the one that writes (TRL's name)."""
-        return _rank() == 0
-
-    def _check_prompt_lengths(self, cfg: RunConfig) -> None:
-        from periodic_async.data import encode_prompts
-        from periodic_async.data.tokenizer import ensure_tokenizer, load_tokenizer
-
-        model_dir = Path(cfg.model.name_or_path)  # the tokenizer the run uses (model.load_policy's rule)
-        tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer_config.json").is_file() else \
-            ensure_tokenizer(cfg.model.tokenizer)
-        limit = self.args.max_prompt_length
-        for what, examples in (("train_dataset", self.train_examples), ("eval_dataset", self.eval_examples)):
-            for i, ids in enumerate(encode_prompts(tokenizer, examples)):
-                if len(ids) > limit:
-                    raise DataError(f"{what} row {i}: prompt of {len(ids)} tokens > max_prompt_length={limit} (prompts "
-                                    "are not cut here: shorten it or raise max_prompt_length)")
-
-    @property
-    def model(self):
-        """The trained policy (loaded from the last checkpoint), or the initial one before train().
-        With peft_config: a `peft.PeftModel` (the base and the trained adapter), as TRL's."""
-        if self._model is None:
-            ckpt = self.output_dir / "checkpoint"
-            if self.lora is not None:
-                from periodic_async.config import LoRAConfig
-                from periodic_async.model import apply_lora, load_policy
-
-                cfg = self.run_config()
-                base, _ = load_policy(dataclasses.replace(cfg.model, lora=LoRAConfig()))
-                if ckpt.exists():
-                    from peft import PeftModel
-
-                    from periodic_async.checkpoint import ADAPTER
-
-                    self._model = PeftModel.from_pretrained(base, ckpt / ADAPTER)
-                else:
-                    self._model = apply_lora(base, self.lora, seed=cfg.model.seed)
-            else:
-                from transformers import AutoModelForCausalLM
-
-                self._model = AutoModelForCausalLM.from_pretrained(ckpt if ckpt.exists() else self.model_path)
-        return self._model
-
-    def save_model(self, output_dir: str | None = None) -> Path:
-        """Write the trained policy and its tokenizer as a Hugging Face directory
-        (`AutoModelForCausalLM.from_pretrained(output_dir)` loads it). With peft_config, as TRL
-        writes a PEFT model: the adapter (adapter_config.json, adapter_model.safetensors) and the
-        tokenizer, which `peft.PeftModel.from_pretrained(base, output_dir)` loads."""
-        from periodic_async import checkpoint
-
-        out = Path(output_dir or self.output_dir)
-        model_files = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
-
-        def write() -> None:
-            ckpt = checkpoint.latest(self.output_dir)
-            if ckpt is None:
-                raise UserError(f"GRPOTrainer.save_model: no checkpoint in {str(self.output_dir)!r}: call train() "
-                                "first")
-            lora = (ckpt / checkpoint.ADAPTER).is_dir()
-            out.mkdir(parents=True, exist_ok=True)
-            for f in ckpt.iterdir():
-                if f.is_file() and f.name not in ("trainer_state.pt", "rng_state.pt", "checkpoint.json", "complete"):
-                    if lora and (f.name in model_files or f.name.startswith("model-")):
-                        continue  # the merged policy: a PEFT model is saved as its adapter
-                    shutil.copy2(f, out / f.name)
-            if lora:
-                for f in (ckpt / checkpoint.ADAPTER).iterdir():
-                    shutil.copy2(f, out / f.name)
-
-        _on_main_process(write, f"save the model to {out}")
-        return out
-
-
-LORA_FIELDS = {"r": "model.lora.rank", "lora_alpha": "model.lora.alpha", "lora_dropout": "model.lora.dropout",
-               "target_modules": "model.lora.target_modules"}
-"""peft.LoraConfig fields mapped to model.lora (the others must be left at peft's defaults, or be
-the bookkeeping fields in `LORA_IGNORED`)."""
-LORA_IGNORED = ("task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
-                "inference_mode", "bias", "runtime_config")
-"""peft.LoraConfig fields with nothing to map: bookkeeping, or checked on their own (bias 'none',
-task_type None or CAUSAL_LM)."""
-
-
-def lora_from_peft(peft_config, model=None):
-    """TRL's `peft_config` (a `peft.LoraConfig`) as `model.lora`: r, lora_alpha, lora_dropout and
-    target_modules (a list of module names, 'all-linear', or None: peft's default for the model's
-    architecture). Anything else is one ConfigError line naming peft_config: another peft method,
-    bias other than 'none', a task other than CAUSAL_LM, or a LoRA variant (any other field away
-    from peft's default: DoRA, rsLoRA, other initialisations, modules_to_save, ...)."""
-    import dataclasses as dc
-
-    from periodic_async.config import LoRAConfig
-
-    try:
-        from peft import LoraConfig
-    except ImportError:
-        raise ConfigError("GRPOTrainer(peft_config=...): LoRA needs the peft package (pip install -e '.[lora]')") \
-            from None
-    name = type(peft_config).__name__
-    if not isinstance(peft_config, LoraConfig):
-        raise ConfigError(f"GRPOTrainer(peft_config=<{name}>): not supported here: only peft.LoraConfig (LoRA "
-                          "adapters, which the engines take at every push)")
-    if peft_config.bias != "none":
-        raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(bias={peft_config.bias!r})): not supported here: "
-                          "bias must be 'none' (only the LoRA matrices train)")
-    task = getattr(peft_config.task_type, "value", peft_config.task_type)
-    if task not in (None, "CAUSAL_LM"):
-        raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(task_type={task!r})): expected 'CAUSAL_LM'")
-    default = LoraConfig()
-    for f in dc.fields(peft_config):
-        if f.name in LORA_FIELDS or f.name in LORA_IGNORED:
-            continue
-        value, want = getattr(peft_config, f.name), getattr(default, f.name)
-        if value != want:
-            raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig({f.name}={value!r})): not supported here (LoRA "
-                              f"takes r, lora_alpha, lora_dropout and target_modules); leave it at {want!r}")
-    targets = peft_config.target_modules
-    if targets is None:
-        targets = _default_lora_targets(model)
-    elif isinstance(targets, str):
-        if targets != "all-linear":
-            raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(target_modules={targets!r})): a regular expression "
-                              "is not supported here: give a list of module names or 'all-linear'")
-        targets = ["all-linear"]
-    try:
-        return LoRAConfig(enabled=True, rank=int(peft_config.r), alpha=float(peft_config.lora_alpha),
-                          dropout=float(peft_config.lora_dropout), target_modules=sorted(targets))
-    except ConfigError as e:
-        raise ConfigError(f"GRPOTrainer(peft_config=...): {e}") from None
-
-
-def _default_lora_targets(model) -> list[str]:
-    """peft's default LoRA target modules for the architecture of `model` (a preset name, a model
-    directory or hub id, or a PreTrainedModel), as peft picks them when target_modules is None."""
-    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
-
-    from periodic_async.model import PRESETS, resolve_model_path
-
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type is None and isinstance(model, (str, os.PathLike)):
-        path = resolve_model_path(str(model))
-        if path in PRESETS:
-            model_type = PRESETS[path]["model_type"]
-        elif (Path(path) / "config.json").is_file():
-            model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    if model_type not in DEFAULTS:
-        raise ConfigError(f"GRPOTrainer(peft_config=LoraConfig(target_modules=None)): peft has no default target "
-                          f"modules for model type {model_type!r}: give target_modules (names, or 'all-linear')")
-    return list(DEFAULTS[model_type])
-
-
-def _same_tokenizer(tokenizer, path: str) -> bool:
-    from periodic_async.data.tokenizer import load_tokenizer
-
-    own = load_tokenizer(path)
-    return own.get_vocab() == tokenizer.get_vocab() and getattr(own, "chat_template", None) == \
-        getattr(tokenizer, "chat_template", None)
