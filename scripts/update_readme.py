@@ -277,6 +277,11 @@ def trl_fields(results: Path, kind: str) -> str:
     if kind == "ONLY_DEFAULT":
         return _md(["TRL field", "the value", "why"], [[f"`{k}`", f"`{d!r}`", str(v).replace("|", "\\|")]
                                                        for k, (d, v) in sorted(trl_api.ONLY_DEFAULT.items())])
+    if kind == "NO_EFFECT":  # many fields share one reason: one row per reason
+        fields = {}
+        for k, why in sorted(trl_api.NO_EFFECT.items()):
+            fields.setdefault(why, []).append(f"`{k}`")
+        return _md(["TRL fields", "why"], [[", ".join(ks), why.replace("|", "\\|")] for why, ks in fields.items()])
     return _md(["TRL field", "here" if kind == "DEFAULTS_DIFFER" else "why"],
                [[f"`{k}`", str(v).replace("|", "\\|")] for k, v in sorted(getattr(trl_api, kind).items())])
 
