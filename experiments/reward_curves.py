@@ -33,7 +33,7 @@ Writes
 In exact arithmetic sync-separated and periodic-async are the same run; in fp32 they share
 every sampled token unless a summation-order difference flips one (tokens_identical_iterations).
 
-How the settings were chosen (the lr, schedule and task searched): docs/notes/reward_curves_search.md.
+What the curves are sensitive to (task, lr, schedule, base): experiments/reward_curves.yaml's comments.
 """
 
 from __future__ import annotations

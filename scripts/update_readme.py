@@ -216,9 +216,11 @@ def table_block(results: Path, name: str) -> str:
              "column") + ("; CPU not recorded: the CSV predates its `cpu` column" if cpus == "not recorded" else
                           f"; {cpus}" + ("; rows written before the `cpu` column do not say"
                                          if any(not r.get("cpu") for r in rows) else ""))
-    if columns:
-        keep = [head.index(c) for c in columns.split() if c in head]
-        head, body = [head[i] for i in keep], [[r[i] for i in keep] for r in body]
+    # a git_commit or cpu column whose every row holds the one value the line above names is left out
+    said = {c for c in ("git_commit", "cpu") if c in head and len({b[head.index(c)] for b in body}) == 1
+            and body[0][head.index(c)]}
+    keep = [head.index(c) for c in (columns.split() if columns else head) if c in head and c not in said]
+    head, body = [head[i] for i in keep], [[r[i] for i in keep] for r in body]
     return f"`{results / file}` ({where}), written by `bash {script}`:\n\n{_md(head, body)}"
 
 
@@ -277,6 +279,11 @@ def trl_fields(results: Path, kind: str) -> str:
     if kind == "ONLY_DEFAULT":
         return _md(["TRL field", "the value", "why"], [[f"`{k}`", f"`{d!r}`", str(v).replace("|", "\\|")]
                                                        for k, (d, v) in sorted(trl_api.ONLY_DEFAULT.items())])
+    if kind == "NO_EFFECT":  # many fields share one reason: one row per reason
+        fields = {}
+        for k, why in sorted(trl_api.NO_EFFECT.items()):
+            fields.setdefault(why, []).append(f"`{k}`")
+        return _md(["TRL fields", "why"], [[", ".join(ks), why.replace("|", "\\|")] for why, ks in fields.items()])
     return _md(["TRL field", "here" if kind == "DEFAULTS_DIFFER" else "why"],
                [[f"`{k}`", str(v).replace("|", "\\|")] for k, v in sorted(getattr(trl_api, kind).items())])
 
