@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from periodic_async.config import ConfigError, EngineConfig, ModelConfig, RunConfig, load_config
+from periodic_async.config import ConfigError, EngineConfig, ModelConfig, RunConfig, load_config, sharing_resolved
 from periodic_async.engine.ray_cluster import check_engine_gpus, engine_gpus, trainer_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _cfgs(mode: str = "periodic-async", device: str = "cuda", **engine):
     cfg = load_config(RunConfig, None, [f"pipeline.mode={mode}", f"model.device={device}", "engine.backend=ray",
                                         *[f"engine.{k}={v}" for k, v in engine.items()]])
-    return cfg.engine, cfg.model
+    return sharing_resolved(cfg), cfg.model
 
 
 def test_engines_get_the_gpus_no_trainer_rank_uses():
@@ -36,6 +36,7 @@ def test_engines_get_the_gpus_no_trainer_rank_uses():
     assert engine_gpus(*_cfgs(mode="sync-colocated"), ranks) == ["0", "1", "2", "3"]
     assert engine_gpus(*_cfgs(share_trainer_gpus=True), ranks) == ["0", "1", "2", "3"]
     assert _cfgs(mode="sync-separated")[0].share_trainer_gpus is False
+    assert load_config(RunConfig, None, []).engine.share_trainer_gpus is None  # unset in the config itself
 
 
 def test_workers_needing_a_trainers_gpu_are_refused_at_start_up():

@@ -735,9 +735,15 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        if self.engine.share_trainer_gpus is None:  # engines and trainer take turns only when co-located
-            self.engine.share_trainer_gpus = self.pipeline.mode == "sync-colocated"
         _task_reward_defaults(self.data, self.reward)
+
+
+def sharing_resolved(cfg: RunConfig) -> EngineConfig:
+    """`cfg.engine` with `share_trainer_gpus` left unset resolved from the mode: engines and
+    trainer take turns on the same GPUs only in sync-colocated (engine/ray_cluster.py)."""
+    if cfg.engine.share_trainer_gpus is not None:
+        return cfg.engine
+    return dataclasses.replace(cfg.engine, share_trainer_gpus=cfg.pipeline.mode == "sync-colocated")
 
 
 def _task_reward_defaults(data: DataConfig, reward: RewardConfig) -> None:

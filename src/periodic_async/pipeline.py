@@ -47,7 +47,7 @@ import torch
 
 from periodic_async import checkpoint
 from periodic_async.books import Books
-from periodic_async.config import RunConfig
+from periodic_async.config import RunConfig, sharing_resolved
 from periodic_async.consumer import Consumer
 from periodic_async.data import few_shot_examples, fit_to_context, load_examples, load_once
 from periodic_async.engine import Engine, make_engine
@@ -66,7 +66,7 @@ from periodic_async.trace import MetricsLogger, Tracer
 def build_engine(cfg: RunConfig) -> Engine:
     """The engines of `cfg` (a hub id in model.name_or_path: its snapshot directory, which they load)."""
     model = dataclasses.replace(cfg.model, name_or_path=resolve_model_path(cfg.model.name_or_path))
-    return make_engine(cfg.engine, model)
+    return make_engine(sharing_resolved(cfg), model)
 
 
 @dataclass
