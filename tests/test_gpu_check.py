@@ -103,10 +103,13 @@ def test_attention_step_on_cpu(toy_run):
 
 
 def test_trainer_step_on_cpu(toy_run):
-    """The tri-model micro-step's tokens/s and MFU, policy only and with the reference, per architecture."""
+    """The tri-model micro-step's tokens/s and MFU, policy only, with the reference, and with the
+    reference under activation checkpointing and chunked logits, per architecture."""
     _, rows = toy_run("trainer")
     assert [(r["model"], r["models"]) for r in rows] == [(a, m) for a in common.TOY.archs
-                                                         for m in ("policy", "policy+ref")]
+                                                         for m in ("policy", "policy+ref", "policy+ref, checkpointed")]
+    assert [(r["gradient_checkpointing"], r["logits_chunk_tokens"]) for r in rows[:3]] == [
+        ("False", "0"), ("False", "0"), ("True", "4096")]
     for r in rows:
         assert r["status"] == "ok"
         assert int(r["params"]) > int(r["body_params"]) > 0

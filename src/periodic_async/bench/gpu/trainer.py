@@ -1,5 +1,7 @@
 """The check's `trainer` step: the tri-model micro-step's packed tokens/s, model FLOPs utilisation
-and peak memory per architecture, policy only and policy + reference; trainer.csv."""
+and peak memory per architecture, policy only and policy + reference, and policy + reference with
+activation checkpointing and chunked logits (trainer.gradient_checkpointing,
+trainer.logits_chunk_tokens: the memory settings of a long-response GPU run); trainer.csv."""
 
 from __future__ import annotations
 
@@ -18,6 +20,12 @@ from periodic_async.model import num_parameters
 from periodic_async.trimodel import TriModel
 
 
+VARIANTS = (("policy", 0.0, (False, 0)), ("policy+ref", 0.04, (False, 0)),
+            ("policy+ref, checkpointed", 0.04, (True, 4096)))
+"""(models, beta, (gradient_checkpointing, logits_chunk_tokens)) per row; the simulator's costs
+(scale/calibrate.py) read the plain policy+ref rows."""
+
+
 def trainer_inputs(vocab: int, P: int, G: int, R: int, device):
     """One shared-packed group as the trainer gets it (random tokens, advantages +-1)."""
     prompt, responses = random_group(vocab, P, [R] * G, seed=7)
@@ -32,9 +40,11 @@ def step(args, sizes: Sizes, device: torch.device, budget: Budget, table: Table)
     P, G, R = sizes.trainer_group
     peak = args.peak_tflops
     for arch in sizes.archs:
-        for models, beta in (("policy", 0.0), ("policy+ref", 0.04)):
+        for models, beta, memory in VARIANTS:
+            checkpointing, chunk = memory
             base = dict(model=arch, models=models, P=P, G=G, R=R, attention=args.trainer_backend,
-                        autocast="bfloat16", peak_tflops=peak or "")
+                        autocast="bfloat16", gradient_checkpointing=checkpointing, logits_chunk_tokens=chunk,
+                        peak_tflops=peak or "")
             if budget.left() < 15:
                 table.add(**base, status="skipped: time budget")
                 continue
@@ -44,8 +54,9 @@ def step(args, sizes: Sizes, device: torch.device, budget: Budget, table: Table)
                 policy = arch_model(arch, tokenizer, device, torch.float32, sizes.toy)
                 policy.train()
                 cfg = AlgorithmConfig(group_size=G, prompts_per_iteration=1, beta=beta, micro_batch_tokens=0)
-                tri = TriModel(policy, cfg, logprob_kwargs={"backend": args.trainer_backend},
-                               autocast_dtype=torch.bfloat16)
+                logprob_kwargs = {"backend": args.trainer_backend, "logits_chunk_tokens": chunk}
+                tri = TriModel(policy, cfg, logprob_kwargs=logprob_kwargs, autocast_dtype=torch.bfloat16,
+                               gradient_checkpointing=checkpointing)
                 inputs = trainer_inputs(policy.config.vocab_size, P, G, R, device)
                 acc = LossAccumulator.from_config(cfg)
                 warm = timed(lambda: tri.micro_step(inputs, acc), device, 1)[0]
