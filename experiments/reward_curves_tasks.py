@@ -138,6 +138,8 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default=",".join(variant(*v) for v in VARIANTS),
                     help="comma-separated, in this order (sync-separated first: the others are compared with it)")
     ap.add_argument("--config", default=str(HERE / "reward_curves_tasks.yaml"))
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the runs under --runs that finished (a stopped experiment resumes where it stopped)")
     args = ap.parse_intermixed_args(argv)
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in TASKS]
@@ -158,18 +160,20 @@ def main(argv=None) -> None:
             cfg = load_config(RunConfig, args.config, settings)
             # 1. the base model's held-out accuracy: a run of no iteration, evaluated at its end
             base_out = runs / task / "base"
-            run(load_config(RunConfig, args.config, settings + [f"trainer.output_dir={base_out}",
-                                                                "trainer.iterations=0", "trainer.eval_at_end=true"]),
-                engine=engines.get(cfg))
+            if not (args.reuse and (base_out / "eval.jsonl").is_file()):
+                run(load_config(RunConfig, args.config, settings + [
+                    f"trainer.output_dir={base_out}", "trainer.iterations=0", "trainer.eval_at_end=true"]),
+                    engine=engines.get(cfg))
             base = read_jsonl(base_out / "eval.jsonl")[-1]
             # 2. the warm start on the training entries (its held-out accuracy: the RL runs' version 0)
             warm = runs / task / "sft"
             m, d = cfg.model, cfg.data
-            run_sft(load_config(SFTRunConfig, None, [
-                f"model.name_or_path={m.name_or_path}", f"model.tokenizer={m.tokenizer}", f"model.dtype={m.dtype}",
-                f"data.source={d.source}", f"data.task_config={json.dumps(d.task_config)}", f"data.seed={d.seed}",
-                f"data.num_train={d.num_train}", "data.num_eval=0", f"sft.output_dir={warm}",
-                f"logging.wandb_mode={cfg.logging.wandb_mode}", *spec["sft"], *(QUICK_SFT if args.quick else [])]))
+            if not (args.reuse and (warm / "config.json").is_file()):
+                run_sft(load_config(SFTRunConfig, None, [
+                    f"model.name_or_path={m.name_or_path}", f"model.tokenizer={m.tokenizer}", f"model.dtype={m.dtype}",
+                    f"data.source={d.source}", f"data.task_config={json.dumps(d.task_config)}", f"data.seed={d.seed}",
+                    f"data.num_train={d.num_train}", "data.num_eval=0", f"sft.output_dir={warm}",
+                    f"logging.wandb_mode={cfg.logging.wandb_mode}", *spec["sft"], *(QUICK_SFT if args.quick else [])]))
             # 3. RL from the warm start, every variant from one seed
             task_rows: dict[str, list[dict]] = {}
             for mode, dynamic in chosen:
@@ -178,7 +182,8 @@ def main(argv=None) -> None:
                 rl = load_config(RunConfig, args.config, settings + [
                     f"model.name_or_path={warm}", f"pipeline.mode={mode}", f"algorithm.dynamic_sampling={dynamic}",
                     f"trainer.output_dir={out}"])
-                run(rl, engine=engines.get(rl))
+                if not (args.reuse and (out / "summary.json").is_file()):
+                    run(rl, engine=engines.get(rl))
                 task_rows[name] = curve_rows(task, name, out)
                 summary.append(summary_row(task, name, out, task_rows[name], base))
                 print(f"[reward_curves_tasks] {task} {name}: {summary[-1]['warm_start_accuracy']} -> "
