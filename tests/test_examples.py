@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import save_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPITALS = ROOT / "examples" / "capitals"
@@ -97,14 +98,7 @@ def test_extending_md_shows_the_capitals_prompt():
 @pytest.fixture(scope="module")
 def micro_model_dir(tmp_path_factory, tokenizer_dir):
     """qwen2-micro (random weights) with the tiny presets' tokenizer, as a model directory."""
-    from periodic_async.config import ModelConfig
-    from periodic_async.model import load_policy
-
-    out = tmp_path_factory.mktemp("qwen2-micro")
-    policy, tokenizer = load_policy(ModelConfig(name_or_path="qwen2-micro", tokenizer=str(tokenizer_dir), seed=1))
-    policy.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_preset(tmp_path_factory.mktemp("qwen2-micro"), "qwen2-micro", tokenizer_dir)
 
 
 def _run_example(script: str, *args: str) -> str:

@@ -14,6 +14,7 @@ import torch
 from periodic_async import GRPOConfig, GRPOTrainer
 from periodic_async.config import ConfigError
 from periodic_async.data import DataError
+from helpers import save_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,14 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer_dir):
     """qwen2-1m (random weights, float32) with its tokenizer: a Hugging Face model directory."""
-    from periodic_async.config import ModelConfig
-    from periodic_async.model import load_policy
-
-    out = tmp_path_factory.mktemp("tiny-model")
-    policy, tokenizer = load_policy(ModelConfig(name_or_path="qwen2-1m", tokenizer=str(tokenizer_dir), seed=1))
-    policy.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_preset(tmp_path_factory.mktemp("tiny-model"), "qwen2-1m", tokenizer_dir)
 
 
 def _dataset(conversational: bool, n: int = 8):
