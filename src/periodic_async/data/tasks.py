@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from periodic_async.config import DataConfig, UserError
-from periodic_async.reward.answers import last_boxed
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +122,25 @@ def make_synthetic(n: int, cfg: DataConfig, seed: int) -> list[Example]:
 class DataError(UserError, ValueError):
     """A data source is unusable; the message names the file and the 1-based line (JSONL) or
     row (JSON list, parquet, dataset split), or the source when it is empty."""
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (balanced braces), or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1: j].strip()
+    return None
 
 
 def _gsm8k_final(answer: str) -> str:

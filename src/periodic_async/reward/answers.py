@@ -3,8 +3,8 @@
 Extraction order: the last '#### N', else the last '\\boxed{...}', else the last number.
 Comparison: numeric equality when both parse as numbers, else canonical string equality;
 `math_verify_equal` adds math-verify's symbolic equivalence (fractions, LaTeX), bounded in a
-worker process (see below). Pure functions except that one; the data loaders use
-`last_boxed` to read MATH-style ground truths.
+worker process (see below). Pure functions except that one; `last_boxed` (data/tasks.py, where
+the MATH loader reads ground truths with it) finds a boxed answer.
 """
 
 from __future__ import annotations
@@ -15,30 +15,12 @@ import re
 import threading
 from fractions import Fraction
 
+from periodic_async.data.tasks import last_boxed  # one parser of \boxed{} for ground truths and completions
 from periodic_async.reward.worker import TimedWorker, WorkerDied
 
 logger = logging.getLogger(__name__)
 
 _NUMBER = re.compile(r"[-+]?\$?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (balanced braces), or None."""
-    start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1: j].strip()
-    return None
 
 
 def normalize_answer(ans: str) -> str:
