@@ -171,7 +171,7 @@ class Consumer:
             n_groups += 1
             if n_groups > a.prompts_per_iteration:
                 raise RuntimeError(f"iteration {iteration}: more than {a.prompts_per_iteration} groups")
-            iteration_tokens += group.num_response_tokens
+            iteration_tokens += group.num_loss_tokens
             t0, c0 = time.time(), time.thread_time()
             threads.update()
             if defer and n_groups > per_step:
