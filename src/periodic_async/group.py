@@ -61,9 +61,10 @@ class Group:
                                  f"{len(getattr(self, name))} entries for {g} responses")
         if any(len(r) == 0 for r in self.response_ids):
             raise ValueError(f"group of prompt {self.prompt_index}: an empty response")
-        if self.loss_mask is not None and [len(m) for m in self.loss_mask] != [len(r) for r in self.response_ids]:
-            raise ValueError(f"group of prompt {self.prompt_index}: loss_mask lengths {[len(m) for m in self.loss_mask]} "
-                             f"!= response lengths {[len(r) for r in self.response_ids]}")
+        lengths = [len(r) for r in self.response_ids]
+        if self.loss_mask is not None and [len(m) for m in self.loss_mask] != lengths:
+            raise ValueError(f"group of prompt {self.prompt_index}: loss_mask lengths "
+                             f"{[len(m) for m in self.loss_mask]} != response lengths {lengths}")
 
     @property
     def size(self) -> int:
