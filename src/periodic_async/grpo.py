@@ -324,6 +324,8 @@ class LossAccumulator:
 
     @property
     def normaliser(self) -> float:
+        if self.num_sequences and not self.num_tokens and self.loss_norm == "token-mean":
+            return 1.0  # every token masked (failed episodes): the gradients are zero, nothing to divide
         if self.scope == "iteration":
             if self.iteration_tokens is None:
                 raise ValueError("token-mean over the iteration: set iteration_tokens (the tokens of all "
