@@ -382,7 +382,7 @@ def test_trl_tool_scripts_train(tmp_path, tool_model_dir, how):
         assert all(s["environments"] == [None, None] for s in seen)
 
 
-def test_trl_environment_without_reset_is_one_line(tmp_path, tool_model_dir):
+def test_trl_bad_tools_and_environments_are_one_line(tmp_path, tool_model_dir):
     """TRL's start-up checks, in one line each: an environment without reset, a tool without a
     docstring, a dict factory whose rows lack `environment`, a template that cannot render tools."""
     class NoReset:
@@ -399,7 +399,7 @@ def test_trl_environment_without_reset_is_one_line(tmp_path, tool_model_dir):
         return str(a)
 
     cases = [(dict(environment_factory=NoReset), "environment_factory: NoReset has no reset() method"),
-             (dict(tools=[undocumented]), "tool undocumented: "),
+             (dict(tools=[undocumented]), "undocumented: Cannot generate JSON schema"),
              (dict(environment_factory={"calc": MultiplyEnv}), "train_dataset row 0: environment_factory is a dict")]
     for extra, words in cases:
         with pytest.raises(Exception) as e:
