@@ -22,6 +22,15 @@ same engines and version, until B informative groups are queued or
 `algorithm.max_draws_per_iteration` prompts were drawn (`_Draws`). Under periodic asynchrony the
 extra rounds generate while the trainer trains the groups already queued.
 
+Episodes (the run has an environment or tools: `env.*`, or the TRL drop-in's `tools=` /
+`environment_factory`): each round's groups, and in the first round the held-out ones (one
+greedy episode each), run concurrently as multi-turn episodes (episode/runner.py) through one
+continuer (the built-in and vLLM engines' batchers fed as turns arrive; Ray in waves), closed
+before the thread ends and so before the barrier's push. A group is scored and queued as its G
+episodes finish: every model turn must carry the iteration's version (else the run stops), the
+rewards are the reward functions' plus each environment's get_reward(), a failed episode's is
+NaN, and the trainer gets `episode_group`'s shared prompt, responses and loss mask.
+
 `generation_done` is set once the engines have returned every request of the iteration
 (before the last group is queued): from then on the engines' devices are free until the
 barrier, and the consumer may take them (`trainer.threads_after_generation`).
