@@ -31,11 +31,11 @@ declare -A MAIN_CSV=(
   [shared_async]=shared_async.csv [reward_curves]=reward_curves_summary.csv [fig1_timeline]=fig1_timeline.csv
   [equivalence]=equivalence.csv [scaling]=scaling_measured.csv [soak]=soak_summary.csv
   [reward_curves_real]=reward_curves_real_summary.csv [trl_dropin]=trl_dropin.csv [lora]=lora_push.csv
-  [reward_curves_tasks]=reward_curves_tasks_summary.csv
+  [reward_curves_tasks]=reward_curves_tasks_summary.csv [multiturn]=multiturn.csv
 )
 EXPERIMENTS=(warm_start table2_throughput engine_throughput shared_prompt_ablation trimodel_cost async_speedup
              shared_async reward_curves fig1_timeline equivalence scaling soak reward_curves_real trl_dropin lora
-             reward_curves_tasks)
+             reward_curves_tasks multiturn)
 # ONLY: a subset, in EXPERIMENTS' order
 if [ -n "${ONLY:-}" ]; then
   IFS=, read -r -a names <<< "$ONLY"

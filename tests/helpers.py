@@ -219,3 +219,51 @@ def micro_steps(tri, inputs) -> tuple[dict, dict]:
         tri.micro_step(mb, acc)
     grads = {n: p.grad.detach().clone() for n, p in tri.policy.named_parameters() if p.grad is not None}
     return {k: float(v) for k, v in acc.sums.items()}, grads
+
+
+# --- the command line, run in this process (tests/test_cli.py, tests/test_episode_pipeline.py) -------------
+
+class CliExit:
+    """What `python -m periodic_async ARGS` returned and printed, run in this process (`main()`)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_cli(args: list[str], cwd: Path, capsys, monkeypatch, debug_env: str | None = None) -> CliExit:
+    """The CLI's `main(ARGS)` as a user runs it (from `cwd`, debugging off), in this process: the
+    exit code and what it printed (PERIODIC_ASYNC_DEBUG unset, or `debug_env`). (A subprocess
+    proves nothing more here; tests/test_cli.py's first test runs a real process.) The signal
+    handlers and the log handler `main` installs are restored afterwards."""
+    import logging
+    import signal
+
+    from periodic_async.__main__ import main
+    from periodic_async.interrupt import SIGNALS
+
+    monkeypatch.chdir(cwd)
+    if debug_env is None:
+        monkeypatch.delenv("PERIODIC_ASYNC_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("PERIODIC_ASYNC_DEBUG", debug_env)
+    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    log = logging.getLogger("periodic_async")
+    monkeypatch.setattr(log, "handlers", list(log.handlers))  # main() adds one on this test's stderr
+    monkeypatch.setattr(log, "level", log.level)
+    capsys.readouterr()
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    out = capsys.readouterr()
+    return CliExit(code, out.out, out.err)
+
+
+def one_line(p: CliExit) -> str:
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    return lines[0]

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import one_line, run_cli
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -29,58 +31,12 @@ def test_bad_data_path_is_one_line_and_debug_shows_the_traceback(tmp_path, token
         plain.stderr
     for extra, debug_env in ((["--debug"], None), ([], "1")):
         with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-            _cli(args + extra, tmp_path, capsys, monkeypatch, debug_env=debug_env)
+            run_cli(args + extra, tmp_path, capsys, monkeypatch, debug_env=debug_env)
 
 
-class _Exit:
-    """What `python -m periodic_async ARGS` returned and printed, run in this process (`main()`)."""
-
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-def _cli(args: list[str], cwd: Path, capsys, monkeypatch, debug_env: str | None = None) -> _Exit:
-    """The CLI's `main(ARGS)` as a user runs it (from `cwd`, debugging off), in this process: the
-    exit code and what it printed (PERIODIC_ASYNC_DEBUG unset, or `debug_env`). (A subprocess
-    proves nothing more here; the first test of this file runs a real process.) The signal
-    handlers and the log handler `main` installs are restored afterwards."""
-    import logging
-    import signal
-
-    from periodic_async.__main__ import main
-    from periodic_async.interrupt import SIGNALS
-
-    monkeypatch.chdir(cwd)
-    if debug_env is None:
-        monkeypatch.delenv("PERIODIC_ASYNC_DEBUG", raising=False)
-    else:
-        monkeypatch.setenv("PERIODIC_ASYNC_DEBUG", debug_env)
-    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
-    log = logging.getLogger("periodic_async")
-    monkeypatch.setattr(log, "handlers", list(log.handlers))  # main() adds one on this test's stderr
-    monkeypatch.setattr(log, "level", log.level)
-    capsys.readouterr()
-    code = 0
-    try:
-        main(list(args))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
-    out = capsys.readouterr()
-    return _Exit(code, out.out, out.err)
-
-
-def _one_line(p: _Exit) -> str:
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
-    return lines[0]
-
-
-def test_bad_config_value_exits_2_in_one_line(tmp_path, capsys, monkeypatch):
-    p = _cli(["train", "--config", str(tmp_path / "nope.yaml")], tmp_path, capsys, monkeypatch)
-    line = _one_line(p)
+def test_bad_config_value_exits_2_inone_line(tmp_path, capsys, monkeypatch):
+    p = run_cli(["train", "--config", str(tmp_path / "nope.yaml")], tmp_path, capsys, monkeypatch)
+    line = one_line(p)
     assert p.returncode == 2
     assert line.startswith("train: config error: config file") and "does not exist" in line
 
@@ -88,38 +44,38 @@ def test_bad_config_value_exits_2_in_one_line(tmp_path, capsys, monkeypatch):
 def test_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys, monkeypatch):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  iterations: 3\n   output_dir: runs/x\n")  # line 3: one space too many
-    p = _cli(["train", "--config", str(bad)], tmp_path, capsys, monkeypatch)
-    line = _one_line(p)
+    p = run_cli(["train", "--config", str(bad)], tmp_path, capsys, monkeypatch)
+    line = one_line(p)
     assert p.returncode == 2 and line.startswith(f"train: config error: config file {bad}:3: YAML syntax error"), line
 
 
 def test_undecodable_data_names_the_file_and_line(tmp_path, tokenizer_dir, capsys, monkeypatch):
     data = tmp_path / "problems.jsonl"
     data.write_bytes(b'{"question": "1+1?", "answer": "2"}\n{"question": "caf\xe9 2+2?", "answer": "4"}\n')  # latin-1
-    p = _cli(["train", f"data.source={data}", f"model.tokenizer={tokenizer_dir}",
+    p = run_cli(["train", f"data.source={data}", f"model.tokenizer={tokenizer_dir}",
               f"trainer.output_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled"], tmp_path, capsys, monkeypatch)
-    line = _one_line(p)
+    line = one_line(p)
     assert p.returncode == 1 and f"{data}:2: not UTF-8 text" in line, line
 
 
 def test_missing_model_path_names_the_field(tmp_path, tokenizer_dir, capsys, monkeypatch):
-    p = _cli(["train", "model.name_or_path=artifacts/no-such-model", f"model.tokenizer={tokenizer_dir}",
+    p = run_cli(["train", "model.name_or_path=artifacts/no-such-model", f"model.tokenizer={tokenizer_dir}",
               f"trainer.output_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled"], tmp_path, capsys, monkeypatch)
-    line = _one_line(p)
+    line = one_line(p)
     assert p.returncode == 2 and "model.name_or_path='artifacts/no-such-model' is neither a preset" in line, line
     assert str(tmp_path / "artifacts" / "no-such-model") in line  # where it looked
 
 
 def test_a_group_of_one_is_refused_before_training(tmp_path, capsys, monkeypatch):
-    p = _cli(["train", "algorithm.group_size=1", f"trainer.output_dir={tmp_path / 'run'}"],
+    p = run_cli(["train", "algorithm.group_size=1", f"trainer.output_dir={tmp_path / 'run'}"],
              tmp_path, capsys, monkeypatch)
-    line = _one_line(p)
+    line = one_line(p)
     assert p.returncode == 2 and "algorithm.group_size=1" in line and "every advantage is 0" in line, line
     assert not (tmp_path / "run").exists()  # refused while reading the config: nothing was started
 
 
 def test_tokenizer_command_builds_a_tokenizer(tmp_path, capsys, monkeypatch):
-    p = _cli(["tokenizer", str(tmp_path / "tok")], tmp_path, capsys, monkeypatch)
+    p = run_cli(["tokenizer", str(tmp_path / "tok")], tmp_path, capsys, monkeypatch)
     assert p.returncode == 0, p.stderr
     from periodic_async.data.tokenizer import load_tokenizer
 
@@ -139,7 +95,7 @@ def test_help_lists_every_subcommand(tmp_path, capsys, monkeypatch):
     choices = re.search(r'add_argument\("command", choices=\[(.*?)\]', source, flags=re.S).group(1)
     commands = own + re.findall(r'"([\w-]+)"', choices)
     assert {"train", "sft", "eval", "plan", "prepare-model", "tokenizer"} <= set(commands), commands
-    p = _cli(["--help"], tmp_path, capsys, monkeypatch)
+    p = run_cli(["--help"], tmp_path, capsys, monkeypatch)
     assert p.returncode == 0
     for command in commands:
         assert re.search(rf"^\s+{re.escape(command)}\s", p.stdout, flags=re.M), (command, p.stdout)

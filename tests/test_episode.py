@@ -164,6 +164,64 @@ def test_environment_tokens_get_zero_gradient(fp64):
     assert (grads["control"][0][mask_N == 0] > 0).all()
 
 
+def _groups_of(runs, masked: bool = True):
+    """The trainer's `Group`s of the episodes (advantages of both signs; behaviour log-probs 0.0 on
+    environment tokens); masked=False drops the loss mask (the negative control)."""
+    from periodic_async.group import Group
+
+    out = []
+    for b, eps in enumerate(runs["wave"][0].values()):
+        g = episode_group(eps)
+        adv = [(-1.0) ** k * (k + 1) / 3 for k in range(len(eps))]
+        out.append(Group(b, 0, 0, g.prompt_ids, g.response_ids, g.behaviour_logprobs, [0.0] * len(eps), adv,
+                         loss_mask=g.loss_mask if masked else None))
+    return out
+
+
+@pytest.mark.parametrize("loss_norm", ["token-mean", "seq-mean"])
+def test_environment_tokens_get_no_gradient_through_the_trimodel(fp64, loss_norm):
+    """Through the trainer's own path (batching.MicroBatch.build, TriModel.micro_step, the GRPO
+    accumulator): the logits that predict environment tokens get exactly zero gradient, those of
+    model tokens a non-zero one; the loss sum is the independent -sum over model tokens of
+    A_i * w_i (ratio 1: one optimizer step), with w_i = 1 or 1 / (model tokens of episode i); the
+    accumulator counts model tokens only, and the behaviour gap is taken over them (~1e-6).
+    Negative control: the same groups without their mask send gradient into environment positions."""
+    from periodic_async import grpo
+    from periodic_async.batching import split_groups
+    from periodic_async.config import AlgorithmConfig
+    from periodic_async.trimodel import TriModel
+
+    policy, _, runs = fp64
+    cfg = AlgorithmConfig(loss_norm=loss_norm, beta=0.0, micro_batch_tokens=0, micro_batch_groups=2)
+    grads = {}
+    for masked in (True, False):
+        groups = _groups_of(runs, masked)
+        (mb,) = split_groups(groups, 0, 2)
+        inputs = mb.build(dtype=torch.float64)
+        tri = TriModel(policy, cfg, logprob_kwargs={"backend": "dense"})
+        acc = grpo.LossAccumulator.from_config(cfg)
+        seen = {}
+        hook = policy.get_output_embeddings().register_forward_hook(
+            lambda mod, i, out: seen.update(logits=out) or out.retain_grad())
+        try:
+            sums = tri.micro_step(inputs, acc)
+        finally:
+            hook.remove()
+        grads[masked] = seen["logits"].grad.abs().sum(-1)
+        policy.zero_grad(set_to_none=True)
+        if masked:
+            mask_N = inputs.loss_mask_N  # laid out as episode/pack.py lays it out for `pack`
+            assert mask_N.tolist() == loss_mask_N([episode_group(e) for e in runs["wave"][0].values()]).tolist()
+            model_tokens = [sum(m) for g in groups for m in g.loss_mask]
+            weights = [1.0 if loss_norm == "token-mean" else 1.0 / max(n, 1) for n in model_tokens]
+            want = -sum(a * n * w for a, n, w in zip([a for g in groups for a in g.advantages], model_tokens, weights))
+            assert float(sums["loss"]) == pytest.approx(want, abs=1e-12)
+            assert acc.num_tokens == sum(model_tokens) < len(mask_N) and acc.num_sequences == 6
+            assert float(sums["behaviour_gap"]) / sum(model_tokens) < 1e-5
+    assert (grads[True][mask_N == 0] == 0).all() and (grads[True][mask_N == 1] > 0).all()
+    assert (grads[False][mask_N == 0] > 0).all()
+
+
 def test_group_with_different_prompts_and_a_failure(tokenizer):
     """Episodes whose prompts differ (reset said different things) share their common prefix; the
     rest of each prompt is in its response with mask 0; a failed episode keeps its slot, all masked,

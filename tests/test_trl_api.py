@@ -132,7 +132,7 @@ def test_every_trl_field_is_taken_or_refused_in_one_line():
     # the trainer's arguments: ours, or refused at any value but TRL's default
     for name, p in inspect.signature(trl.GRPOTrainer.__init__).parameters.items():
         if name in ("self", "model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
-                    "peft_config"):
+                    "peft_config", "tools", "environment_factory"):
             continue
         assert name in trl_api.REFUSED, name
         assert p.default in (None, (None, None)), name
@@ -259,6 +259,147 @@ def test_trl_script_trains_two_steps_and_saves(tmp_path, model_dir, conversation
     after = AutoModelForCausalLM.from_pretrained(saved).state_dict()
     assert set(before) == set(after) and any(not torch.equal(before[k], after[k]) for k in before)
     assert (saved / "tokenizer_config.json").is_file()
+
+
+# --- tools and environments (TRL's tools=, environment_factory) ----------------------------------------
+
+def multiply(a: int, b: int) -> str:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return str(a * b)
+
+
+class MultiplyEnv:
+    """TRL's environment protocol: reset(**row), a public method as a tool, get_reward()."""
+
+    def reset(self, **row):
+        self.row, self.calls = row, 0
+        return None
+
+    def multiply(self, a: int, b: int) -> str:
+        """Multiply two integers.
+
+        Args:
+            a: The first factor.
+            b: The second factor.
+        """
+        self.calls += 1
+        return str(a * b)
+
+    def get_reward(self) -> float:
+        return float(self.calls > 0)
+
+
+def _tool_dataset(n: int = 4):
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i + 3} times 4?"}],
+                               "answer": str(4 * (i + 3))} for i in range(n)])
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory, tokenizer_dir):
+    """A model directory whose chat template renders tools (Qwen2.5's, TRL's copy, on the test
+    tokenizer with its turn tokens): qwen2-micro taught in 100 Adam steps to answer the tool
+    dataset's questions with <tool_call>{"name": "multiply", ...}</tool_call>, and after the tool's
+    answer to write <answer>12</answer>."""
+    trl = pytest.importorskip("trl")
+    from periodic_async.config import ModelConfig
+    from periodic_async.data.tokenizer import load_tokenizer
+    from periodic_async.episode import Environments
+    from periodic_async.episode.formats import TemplateFormat
+    from periodic_async.model import build_model
+    from periodic_async.sft import sft_loss
+
+    tok = load_tokenizer(tokenizer_dir)
+    tok.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    policy = build_model(ModelConfig(name_or_path="qwen2-micro", dtype="float32", seed=1), tok)
+    fmt, schemas = TemplateFormat(tok), Environments(tools=[multiply]).schemas()
+    eos = [tok.eos_token_id]
+    call = tok('<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>').input_ids + eos
+    answer = tok("<answer>12</answer>").input_ids + eos
+    prompts = [fmt.prompt_ids(row["prompt"], schemas) for row in _tool_dataset()]
+    tool_turn = fmt.env_ids(fmt.answer_messages([("multiply", "12")]), "multiply")
+    batch = [(p, call) for p in prompts] + [(prompts[0] + call + tool_turn, answer)]
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(100):
+        loss = sft_loss(policy, batch, tok.pad_token_id)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out = tmp_path_factory.mktemp("tool-model")
+    policy.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("how", ["tools", "environment_factory"])
+def test_trl_tool_scripts_train(tmp_path, tool_model_dir, how):
+    """A TRL script with `tools=[multiply]`, and one with `environment_factory=MultiplyEnv` (whose
+    get_reward is the only reward), train here as written for TRL: the model calls the tool in the
+    template's own format, the tool answers, the episode goes on; the reward functions get TRL's
+    arguments (completions as the episode's messages, `environments`), reset gets the whole row;
+    environment tokens are counted apart and out of the loss; max_tool_calling_iterations=1 allows
+    two model turns."""
+    seen = []
+
+    def used_the_tool(prompts, completions, **kwargs):
+        seen.append({"completions": completions, "environments": kwargs.get("environments")})
+        return [float(any(m["role"] == "tool" for m in c)) for c in completions]
+
+    extra = dict(tools=[multiply], reward_funcs=[used_the_tool]) if how == "tools" else \
+        dict(environment_factory=MultiplyEnv)
+    trainer = GRPOTrainer(model=str(tool_model_dir), train_dataset=_tool_dataset(),
+                          args=_args(tmp_path / "run", per_device_train_batch_size=4, max_completion_length=200,
+                                     max_tool_calling_iterations=1, temperature=0.3), **extra)
+    out = trainer.train()
+    assert out.global_step == 2 and math.isfinite(out.training_loss)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+               if "train/loss" in line]
+    assert len(metrics) == 2
+    for m in metrics:
+        assert m["episode/tool_calls"] > 0 and m["episode/env_tokens"] > 0 and m["episode/turns"] <= 2 * 4
+        assert m["train/tokens"] == m["episode/model_tokens"] < m["tokens/response"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert any(r > 0 for row in rows for r in row["rewards"])
+    if how == "tools":
+        completion = next(c for s in seen for c in s["completions"] if len(c) > 1)
+        assert completion[0]["role"] == "assistant" and completion[0]["tool_calls"][0]["function"]["name"] == \
+            "multiply" and completion[1] == {"role": "tool", "name": "multiply", "content": "12"}
+        assert all(s["environments"] == [None, None] for s in seen)
+
+
+def test_trl_bad_tools_and_environments_are_one_line(tmp_path, tool_model_dir):
+    """TRL's start-up checks, in one line each: an environment without reset, a tool without a
+    docstring, a dict factory whose rows lack `environment`, a template that cannot render tools."""
+    class NoReset:
+        def multiply(self, a: int, b: int) -> str:
+            """Multiply.
+
+            Args:
+                a: a
+                b: b
+            """
+            return str(a * b)
+
+    def undocumented(a: int) -> str:
+        return str(a)
+
+    cases = [(dict(environment_factory=NoReset), "environment_factory: NoReset has no reset() method"),
+             (dict(tools=[undocumented]), "undocumented: Cannot generate JSON schema"),
+             (dict(environment_factory={"calc": MultiplyEnv}), "train_dataset row 0: environment_factory is a dict")]
+    for extra, words in cases:
+        with pytest.raises(Exception) as e:
+            GRPOTrainer(model=str(tool_model_dir), reward_funcs=[lambda completions, **k: [0.0] * len(completions)],
+                        train_dataset=_tool_dataset(), args=_args(tmp_path / "run"), **extra)
+        assert words in str(e.value) and "\n" not in str(e.value), (words, str(e.value))
 
 
 def test_bad_dataset_and_reward_are_one_line(tmp_path, model_dir):

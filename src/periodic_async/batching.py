@@ -63,10 +63,16 @@ class MicroBatchInputs:
     behaviour_logp_N: torch.Tensor
     """Log-probs the sampling engine reported (for engine/trainer mismatch metrics)."""
     lengths_S: torch.Tensor
-    """R_i of each sample (long)."""
+    """The loss tokens of each sample (long): R_i, or its model tokens in an episode (at least 1:
+    seq-mean divides by it; a failed episode's mask is all 0)."""
+    loss_mask_N: torch.Tensor | None = None
+    """Episodes: 1 on model tokens, 0 on environment tokens (float); None: every token is the model's."""
 
     @property
     def num_tokens(self) -> int:
+        """The tokens that carry a loss (the token-mean normaliser counts these)."""
+        if self.loss_mask_N is not None:
+            return int(self.loss_mask_N.sum())
         return int(self.packed.labels_N.shape[0])
 
     @property
@@ -75,7 +81,8 @@ class MicroBatchInputs:
 
     def to(self, device: torch.device | str) -> "MicroBatchInputs":
         return MicroBatchInputs(self.packed.to(device), self.advantages_N.to(device),
-                                self.behaviour_logp_N.to(device), self.lengths_S.to(device))
+                                self.behaviour_logp_N.to(device), self.lengths_S.to(device),
+                                None if self.loss_mask_N is None else self.loss_mask_N.to(device))
 
 
 @dataclass
@@ -99,17 +106,23 @@ class MicroBatch:
     def build(self, shared: bool = True, dtype: torch.dtype = torch.float32,
               device: torch.device | str | None = None) -> MicroBatchInputs:
         """Pack the slices (`shared_prompt.pack`) and lay out advantages / lengths / behaviour
-        log-probs in the same flat order; float tensors in `dtype`."""
+        log-probs (and, when a group has one, the loss mask) in the same flat order; float
+        tensors in `dtype`."""
         packed = pack(self.segments(), shared=shared)
-        adv_S, lengths_S, behaviour = [], [], []
+        adv_S, lengths_S, behaviour, mask = [], [], [], []
+        masked = any(s.group.loss_mask is not None for s in self.slices)
         for s in self.slices:
             for i in s.samples:
                 adv_S.append(s.group.advantages[i])
-                lengths_S.append(len(s.group.response_ids[i]))
+                lengths_S.append(max(1, s.group.num_loss_tokens_of(i)))
                 behaviour.extend(s.group.behaviour_logprobs[i])
+                if masked:
+                    mask.extend(s.group.loss_mask[i] if s.group.loss_mask is not None
+                                else [1] * len(s.group.response_ids[i]))
         adv_S_t = torch.tensor(adv_S, dtype=dtype)
         out = MicroBatchInputs(packed, adv_S_t[packed.sample_N], torch.tensor(behaviour, dtype=dtype),
-                               torch.tensor(lengths_S, dtype=torch.long))
+                               torch.tensor(lengths_S, dtype=torch.long),
+                               torch.tensor(mask, dtype=dtype) if masked else None)
         return out.to(device) if device is not None else out
 
 

@@ -4,7 +4,10 @@ metrics (metrics.jsonl + W&B), the held-out results that arrived (eval.jsonl), i
 keeps them; nothing here touches the engines or the trainer.
 
 Per-iteration metrics: reward, accuracy, lengths, trained tokens, tokens/s per device, phase
-times and idle times. Definitions:
+times and idle times; with episodes (env.*) their counters summed over the iteration's episodes
+(episode/model_tokens, episode/env_tokens, episode/turns, episode/tool_calls, episode/bad_calls,
+episode/tool_errors, episode/feedback_turns, episode/truncated, episode/failed, episode/episodes,
+episode/used_tools) and episode/tool_use_rate (episodes that called a tool / episodes). Definitions:
     trained tokens        sum over samples of (P + R_i): the logical tokens, whatever the packing
     devices               trainer ranks and the engine workers in use: `devices_in_use`
     tokens/s per device   trained tokens / iteration wall time / devices; the summary's is
@@ -14,6 +17,7 @@ times and idle times. Definitions:
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,17 +67,19 @@ def iteration_metrics(groups: list[Group], t_start: float, t_end: float, train: 
     `groups`: those trained; `filtered`: those dynamic sampling drew and did not train. Rewards,
     accuracy, lengths and generation time are over all the iteration sampled, tokens over those trained."""
     sampled = list(groups) + list(filtered)
-    rewards = [r for g in sampled for r in g.rewards if r == r] or [float("nan")]  # NaN: scored by no function (TRL)
+    rewards = [r for g in sampled for r in g.rewards if r == r]  # NaN: scored by no function (TRL), a failed episode
     lengths = [len(r) for g in sampled for r in g.response_ids]
     trained = sum(len(g.prompt_ids) * g.size + g.num_response_tokens for g in groups)
     wall = t_end - t_start
     gen_s = max(0.0, max(g.timings["finished"] for g in sampled) - t_start)  # 0: prefetched (off-policy)
     devices = devices_in_use(cfg, trainer_ranks, sampled[0].iteration)  # the engines hold version t meanwhile
     m = {
-        "reward/mean": statistics.fmean(rewards), "reward/std": statistics.pstdev(rewards),
+        "reward/mean": statistics.fmean(rewards) if rewards else math.nan,
+        "reward/std": statistics.pstdev(rewards) if rewards else math.nan,
         "accuracy": statistics.fmean(c for g in sampled for c in g.correct),
         "response/len_mean": statistics.fmean(lengths), "response/len_max": max(lengths),
-        "response/truncated_frac": statistics.fmean(f == "length" for g in sampled for f in g.finish_reasons),
+        "response/truncated_frac": statistics.fmean(f not in ("stop", "failed") for g in sampled
+                                                    for f in g.finish_reasons),
         "tokens/trained": trained, "tokens/response": sum(lengths),
         "tokens/packed": sum(g.num_packed_tokens(cfg.algorithm.shared_prompt) for g in groups),
         "throughput/tokens_per_s": trained / wall,
@@ -86,6 +92,13 @@ def iteration_metrics(groups: list[Group], t_start: float, t_end: float, train: 
         # when generation ends (the tail), before the barrier's weight sync.
         "time/after_generation_s": wall - sync_s - gen_s,
     }
+    counts: dict[str, float] = {}  # episodes: the sums of their counters over the groups sampled
+    for g in sampled:
+        for k, v in g.episode_counts.items():
+            counts[k] = counts.get(k, 0) + v
+    if counts:
+        m.update(counts)
+        m["episode/tool_use_rate"] = counts["episode/used_tools"] / counts["episode/episodes"]
     for key in ("first_group_at", "threads_raised_at"):
         if train.get(key):
             m[f"time/{key.removesuffix('_at')}_s"] = train[key] - t_start
@@ -111,7 +124,8 @@ def write_rollouts(path: Path, groups: list[Group], filtered: list[Group] = (), 
                                 **{k: columns[k] for k in SOURCE_COLUMNS if k in columns},
                                 "rewards": g.rewards, "advantages": g.advantages, "correct": g.correct,
                                 "answer": g.answer, "texts": g.texts, "response_ids": g.response_ids,
-                                "finish_reasons": g.finish_reasons}) + "\n")
+                                "finish_reasons": g.finish_reasons,
+                                **({"loss_mask": g.loss_mask} if g.loss_mask is not None else {})}) + "\n")
 
 
 def per_task(groups: list[Group], examples: list) -> dict[str, float]:

@@ -55,6 +55,10 @@ BehaviourIS = Literal["off", ISMode]
 TokenMeanScope = Literal["step", "iteration"]
 Parallel = Literal["ddp", "fsdp"]
 WandbMode = Literal["offline", "online", "disabled"]
+ToolFormat = Literal["template", "plain", "auto"]
+"""`env.tool_format`: how tools and tool calls look in the model's context (episode/formats.py)."""
+OnFailure = Literal["end", "raise"]
+ToolExceptions = Literal["answer", "fail"]
 CoresWord = Literal["auto", "off"]
 """The cpu_affinity values that are not cores (`parse_cores`)."""
 
@@ -677,6 +681,65 @@ class PipelineConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Episodes (multi-turn rollouts with tools and environments, TRL's protocol: episode/ and
+    docs/episodes.md). Unset (no factory and no tools): single-turn groups, as without this
+    section. Set: every group is G episodes; the model's turns are trained, the environment's
+    tokens are in the context and out of the loss."""
+
+    factory: dict[str, str] | str = ""
+    """TRL's environment_factory: 'module:callable' or 'path/file.py:callable', called with no
+    arguments (and `factory_kwargs`) once per episode; or {name: 'module:callable'}, each row
+    selecting its environment by its `environment` column. Empty: no environment."""
+    factory_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of every factory call (e.g. {attempts: 3, latency: {median_s: 0.2}} for
+    periodic_async.episode.envs:CalculatorEnv)."""
+    tools: list[str] = field(default_factory=list)
+    """TRL's tools=: functions as 'module:function' or 'path/file.py:function' (type hints on every
+    argument, a Google-style docstring), shown in every prompt beside the environment's own."""
+    max_turns: int = 8
+    """Most model turns per episode (TRL's max_tool_calling_iterations + 1). A model turn is at most
+    engine.max_tokens tokens."""
+    max_tokens: int = 0
+    """The episode's token budget after the prompt, model and environment tokens together (TRL's
+    max_completion_length); 0: engine.max_tokens. Capped at the model's context minus the prompt."""
+    call_timeout_s: float = 30.0
+    """Wall-clock limit of every environment and tool call (reset, a tool, feedback, get_reward)."""
+    on_failure: OnFailure = "end"
+    """A call that times out or an environment that raises: 'end' the episode as a counted failure
+    (masked out of the loss, left out of its group's baseline), or 'raise': stop the run."""
+    tool_exceptions: ToolExceptions = "answer"
+    """A tool that raises: 'answer' gives the model the error text as its answer (TRL's behaviour),
+    'fail' ends the episode as a failure (`on_failure`)."""
+    tool_format: ToolFormat = "template"
+    """'template': the chat template's own tool format (TRL's; a template that cannot render tools
+    is refused); 'plain': the plain-text call format for templates without tools (SmolLM2's);
+    'auto': 'template' where the chat template renders tools, else 'plain'."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.factory or self.tools)
+
+    def budget(self, engine: "Sampling") -> int:
+        """The episode's token budget (`max_tokens`, 0: engine.max_tokens)."""
+        return self.max_tokens or engine.max_tokens
+
+    def __post_init__(self) -> None:
+        _check_choices(self, "env")
+        specs = list(self.factory.values()) if isinstance(self.factory, dict) else [self.factory] * bool(self.factory)
+        _check(not isinstance(self.factory, dict) or bool(self.factory), "env", "factory", self.factory,
+               "an empty mapping: give {name: 'module:callable'} or leave it empty")
+        for spec in specs:
+            _check(isinstance(spec, str) and ":" in spec, "env", "factory", spec,
+                   "expected 'module:callable' or 'file.py:callable'")
+        for spec in self.tools:
+            _check(":" in spec, "env", "tools", spec, "expected 'module:function' or 'file.py:function'")
+        _check(self.max_turns >= 1, "env", "max_turns", self.max_turns, "must be >= 1")
+        _check(self.max_tokens >= 0, "env", "max_tokens", self.max_tokens, "must be >= 0 (0: engine.max_tokens)")
+        _check(self.call_timeout_s > 0, "env", "call_timeout_s", self.call_timeout_s, "must be > 0")
+
+
+@dataclass
 class LoggingConfig:
     wandb_mode: WandbMode = "offline"
     """'offline' (default, no network), 'online', or 'disabled'."""
@@ -733,6 +796,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
         _task_reward_defaults(self.data, self.reward)

@@ -100,7 +100,8 @@ class Consumer:
         # what it reads of the run's config from here on: algorithm and engine.max_tokens; of `cfg`
         # only the push's form (model.lora.push) and the thread counts (`threads_after_generation`)
         self.algorithm = a = cfg.algorithm
-        self.max_tokens = cfg.engine.max_tokens  # algorithm.loss_norm='constant' divides by it
+        # algorithm.loss_norm='constant' divides by B * G * max_tokens: a response's budget (episodes: env's)
+        self.max_tokens = cfg.env.budget(cfg.engine) if cfg.env.enabled else cfg.engine.max_tokens
         if self.ranks.distributed and a.optimizer_steps_per_iteration != 1:
             raise ValueError(f"algorithm.optimizer_steps_per_iteration={a.optimizer_steps_per_iteration}: trainer "
                              "ranks take one optimizer step per iteration")
@@ -171,7 +172,7 @@ class Consumer:
             n_groups += 1
             if n_groups > a.prompts_per_iteration:
                 raise RuntimeError(f"iteration {iteration}: more than {a.prompts_per_iteration} groups")
-            iteration_tokens += group.num_response_tokens
+            iteration_tokens += group.num_loss_tokens
             t0, c0 = time.time(), time.thread_time()
             threads.update()
             if defer and n_groups > per_step:

@@ -4,6 +4,11 @@ The producer builds a Group when the last of its G samples finishes; the consume
 on it. `version` is the policy version that sampled every response: the consumer refuses
 a group whose version is not the current one (the paper's on-policy guarantee).
 Response token lists include the final eos token when the sample stopped on it.
+
+An episode (multi-turn, with tools: episode/) is a response too: its model turns and the
+environment's turns between them, as ids. `loss_mask` then says which tokens the model sampled
+(1) and which the environment wrote (0): environment tokens are in the context and out of the
+loss (batching.py lays the mask out, trimodel.py multiplies the token weights by it).
 """
 
 from __future__ import annotations
@@ -39,6 +44,12 @@ class Group:
     """G correctness scores (1.0 / 0.0), for accuracy metrics; the reward may differ."""
     timings: dict[str, float] = field(default_factory=dict)
     """Wall-clock stamps (time.time()) and durations of the group's life: submitted, finished, scored."""
+    loss_mask: list[list[int]] | None = None
+    """Episodes: G lists of R_i, 1 on model tokens, 0 on environment tokens (behaviour log-prob 0.0
+    there); None: every token is the model's (single-turn)."""
+    episode_counts: dict[str, float] = field(default_factory=dict)
+    """Episodes: the sums of `Episode.metrics()` over the G episodes, with `episode/episodes` (G) and
+    `episode/used_tools` (episodes that called a tool); empty for single-turn groups."""
 
     def __post_init__(self) -> None:
         g = len(self.response_ids)
@@ -50,6 +61,10 @@ class Group:
                                  f"{len(getattr(self, name))} entries for {g} responses")
         if any(len(r) == 0 for r in self.response_ids):
             raise ValueError(f"group of prompt {self.prompt_index}: an empty response")
+        lengths = [len(r) for r in self.response_ids]
+        if self.loss_mask is not None and [len(m) for m in self.loss_mask] != lengths:
+            raise ValueError(f"group of prompt {self.prompt_index}: loss_mask lengths "
+                             f"{[len(m) for m in self.loss_mask]} != response lengths {lengths}")
 
     @property
     def size(self) -> int:
@@ -58,8 +73,17 @@ class Group:
 
     @property
     def num_response_tokens(self) -> int:
-        """sum_i R_i: the tokens that carry a loss."""
+        """sum_i R_i: the response tokens (the model's and, in episodes, the environment's)."""
         return sum(len(r) for r in self.response_ids)
+
+    def num_loss_tokens_of(self, i: int) -> int:
+        """Tokens of response i that carry a loss: its model tokens (R_i without a mask)."""
+        return len(self.response_ids[i]) if self.loss_mask is None else sum(self.loss_mask[i])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """The tokens that carry a loss: sum_i R_i, model tokens only in episodes."""
+        return sum(self.num_loss_tokens_of(i) for i in range(self.size))
 
     def num_packed_tokens(self, shared_prompt: bool) -> int:
         """Input tokens of this group once packed: P + sum R_i (shared) or G*P + sum R_i."""

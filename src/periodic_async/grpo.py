@@ -143,7 +143,8 @@ def per_token_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, advantages_N:
 
 def behaviour_is_ratio(old_logp_N: torch.Tensor, behaviour_logp_N: torch.Tensor, sample_N: torch.Tensor,
                        num_samples: int, mode: ISMode, clip_min: float | None = None,
-                       clip_max: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                       clip_max: float | None = None,
+                       mask_N: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The behaviour importance ratio of each token (TRL 1.16's vLLM correction; no grad). (N,)
 
     old_logp_N: the trainer's old log-probs; behaviour_logp_N: the engines' (a NaN, a token the
@@ -151,7 +152,9 @@ def behaviour_is_ratio(old_logp_N: torch.Tensor, behaviour_logp_N: torch.Tensor,
     token, S = num_samples (all of a sample's tokens are in the micro-batch).
     rho = exp(old - behaviour) per token ('token_*'), or exp(sum over the sample's tokens) for all
     of its tokens ('sequence_*'); '*_truncate': clamp(rho, clip_min, clip_max); '*_mask': rho = 0
-    outside [clip_min, clip_max] (a None bound is no bound).
+    outside [clip_min, clip_max] (a None bound is no bound). mask_N (episodes: 0 on environment
+    tokens, which no engine sampled): those count as old - behaviour = 0 and are no unit of the
+    token modes' statistics.
     Returns (rho_N, sums): detached 0-d tensors over the units U (tokens or sequences) for
     `LossAccumulator.add`: 'is_ratio' sum of rho_U, 'is_count' U, 'is_min' / 'is_max' the
     extremes of rho_U, 'is_cut' units truncated or masked.
@@ -160,6 +163,8 @@ def behaviour_is_ratio(old_logp_N: torch.Tensor, behaviour_logp_N: torch.Tensor,
         raise ValueError(f"behaviour_is_ratio: mode {mode!r}: expected one of {get_args(ISMode)}")
     with torch.no_grad():
         diff_N = torch.nan_to_num(old_logp_N.detach() - behaviour_logp_N.to(old_logp_N.dtype), nan=0.0)
+        if mask_N is not None:
+            diff_N = diff_N * mask_N.to(diff_N.dtype)
         if mode.startswith("sequence"):
             diff_U = torch.zeros(num_samples, dtype=diff_N.dtype, device=diff_N.device).index_add_(0, sample_N, diff_N)
         else:
@@ -173,9 +178,12 @@ def behaviour_is_ratio(old_logp_N: torch.Tensor, behaviour_logp_N: torch.Tensor,
         else:
             rho_U = raw_U.masked_fill(outside_U, 0.0)
         rho_N = rho_U[sample_N] if mode.startswith("sequence") else rho_U
-        count = torch.tensor(float(rho_U.numel()), dtype=rho_U.dtype, device=rho_U.device)
-        sums = {"is_ratio": rho_U.sum(), "is_count": count, "is_min": rho_U.min(), "is_max": rho_U.max(),
-                "is_cut": outside_U.sum().to(rho_U.dtype)}
+        if mask_N is not None and not mode.startswith("sequence"):  # the model's tokens are the units
+            rho_U, outside_U = rho_U[mask_N.bool()], outside_U[mask_N.bool()]
+        count = torch.tensor(float(rho_U.numel()), dtype=rho_N.dtype, device=rho_N.device)
+        one = torch.ones((), dtype=rho_N.dtype, device=rho_N.device)  # extremes of no unit: neutral
+        sums = {"is_ratio": rho_U.sum(), "is_count": count, "is_min": rho_U.min() if rho_U.numel() else one,
+                "is_max": rho_U.max() if rho_U.numel() else one, "is_cut": outside_U.sum().to(rho_N.dtype)}
     return rho_N, sums
 
 
@@ -214,12 +222,14 @@ def normaliser(loss_norm: LossNorm, num_tokens: int, num_sequences: int, constan
 
 def micro_batch_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, ref_logp_N: torch.Tensor | None,
                      advantages_N: torch.Tensor, weights_N: torch.Tensor, cfg,
-                     entropy_N: torch.Tensor | None = None,
-                     is_ratio_N: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     entropy_N: torch.Tensor | None = None, is_ratio_N: torch.Tensor | None = None,
+                     mask_N: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The un-normalised loss sum of one micro-batch, and detached metric sums.
 
     cfg: an `AlgorithmConfig` (eps_low, eps_high, beta, kl_bias_correction). weights_N from
-    `token_weights`; is_ratio_N from `behaviour_is_ratio` (None: no behaviour correction).
+    `token_weights`; is_ratio_N from `behaviour_is_ratio` (None: no behaviour correction);
+    mask_N (episodes: 1 on model tokens, 0 on environment tokens; None: all 1) multiplies the
+    weights, so masked tokens carry no loss and no gradient, and keeps them out of the metric sums.
     Returns (loss_sum: scalar with grad = sum_n w_n * loss_n, call `.backward()` on it;
     sums: {'loss': sum w*loss, 'kl': sum kl, 'clip': clipped tokens, 'ratio': sum of the
     importance ratios, 'ratio_dev': sum |ratio - 1| (0 on-policy: the staleness shows here),
@@ -231,12 +241,16 @@ def micro_batch_loss(logp_N: torch.Tensor, old_logp_N: torch.Tensor, ref_logp_N:
     loss_N, kl_N, clipped_N = per_token_loss(logp_N, old_logp_N, advantages_N, cfg.eps_low, cfg.eps_high,
                                              ref_logp_N, cfg.beta, cfg.kl_bias_correction,
                                              None if is_ratio_N is None else is_ratio_N.to(logp_N.dtype))
+    if mask_N is not None:
+        mask_N = mask_N.to(logp_N.dtype)
+        weights_N = weights_N * mask_N
     loss_sum = (weights_N * loss_N).sum()
     with torch.no_grad():
         ratio_N = torch.exp(logp_N.detach() - old_logp_N)
-    sums = {"loss": loss_sum.detach(), "kl": kl_N.sum(), "clip": clipped_N.sum().to(kl_N.dtype),
-            "ratio": ratio_N.sum(), "ratio_dev": (ratio_N - 1).abs().sum(),
-            "entropy": entropy_N.detach().sum() if entropy_N is not None else torch.zeros((), dtype=kl_N.dtype)}
+        m = (lambda x_N: x_N) if mask_N is None else (lambda x_N: x_N * mask_N)  # noqa: E731
+        sums = {"loss": loss_sum.detach(), "kl": m(kl_N).sum(), "clip": m(clipped_N.to(kl_N.dtype)).sum(),
+                "ratio": m(ratio_N).sum(), "ratio_dev": m((ratio_N - 1).abs()).sum(),
+                "entropy": m(entropy_N.detach()).sum() if entropy_N is not None else torch.zeros((), dtype=kl_N.dtype)}
     return loss_sum, sums
 
 
@@ -310,6 +324,8 @@ class LossAccumulator:
 
     @property
     def normaliser(self) -> float:
+        if self.num_sequences and not self.num_tokens and self.loss_norm == "token-mean":
+            return 1.0  # every token masked (failed episodes): the gradients are zero, nothing to divide
         if self.scope == "iteration":
             if self.iteration_tokens is None:
                 raise ValueError("token-mean over the iteration: set iteration_tokens (the tokens of all "

@@ -81,6 +81,9 @@ class Task:
     reward_fn: Callable[..., list[float]] | None = None
     accuracy_fn: Callable[..., list[float]] | None = None
     shots: list = field(default_factory=list)
+    environments: object = None
+    """An `episode.Environments` (TRL's environment_factory and tools): every group is G episodes,
+    under `cfg.env`'s limits; None: `cfg.env`'s own factory and tools, if any."""
 
 
 def run(cfg: RunConfig, engine: Engine | None = None, task: Task | None = None) -> dict:
@@ -165,24 +168,29 @@ def _run(cfg: RunConfig, engine: Engine | None, task: Task | None, ranks: Ranks,
     return side.summary(completed)
 
 
-def _load_data(cfg: RunConfig, policy, tokenizer, task: Task | None = None) -> tuple[list, list, list, object, object]:
+def _load_data(cfg: RunConfig, policy, tokenizer, task: Task | None = None) -> tuple:
     """Rank 0's (training examples, held-out examples, few-shot examples, reward function, accuracy
-    function); every prompt + max_tokens is checked once against the model's context (examples
-    skipped as too long, data.skip_too_long, are reported then): `cfg.data`'s loaded once per
-    process (`data.load_once`), a `task`'s checked, never cached."""
+    function, environments (None: single-turn), the model's context); every prompt + its response
+    budget (engine.max_tokens; episodes: env's token budget) is checked once against the model's
+    context (examples skipped as too long, data.skip_too_long, are reported then): `cfg.data`'s
+    loaded once per process (`data.load_once`), a `task`'s checked, never cached."""
     context = getattr(policy.config, "max_position_embeddings", None)
+    environments = task.environments if task is not None else None
+    episodes = environments is not None or cfg.env.enabled
+    budget = cfg.env.budget(cfg.engine) if episodes else cfg.engine.max_tokens
 
     def fit(examples: list, evals: list, shots: list) -> tuple[list, list, list]:
-        return (*(fit_to_context(e, shots, tokenizer, cfg.engine.max_tokens, context, cfg.data.skip_too_long, what,
+        return (*(fit_to_context(e, shots, tokenizer, budget, context, cfg.data.skip_too_long, what,
                                  cfg.data) for e, what in ((examples, "training"), (evals, "held-out"))), list(shots))
 
     if task is None:
         data = cfg.data
         loaded = load_once(data, tokenizer, lambda: fit(load_examples(data, "train"), load_examples(data, "eval"),
-                                                        few_shot_examples(data)), cfg.engine.max_tokens, context)
-        return (*loaded, make_reward(cfg.reward), None)
+                                                        few_shot_examples(data)), budget, context)
+        return (*loaded, make_reward(cfg.reward), None, None, context)
     fitted = fit(task.examples, task.evals, task.shots)
-    return (*fitted, make_reward(cfg.reward) if task.reward_fn is None else task.reward_fn, task.accuracy_fn)
+    return (*fitted, make_reward(cfg.reward) if task.reward_fn is None else task.reward_fn, task.accuracy_fn,
+            environments, context)
 
 
 class _Generation:
@@ -193,11 +201,12 @@ class _Generation:
     def __init__(self, cfg: RunConfig, engine: Engine, tokenizer, data, tracer: Tracer, ranks: Ranks,
                  started: contextlib.ExitStack, push_check: PushCheck | None = None,
                  producer_cores: list[int] | None = None) -> None:
-        examples, self.evals, shots, reward_fn, accuracy_fn = data
+        examples, self.evals, shots, reward_fn, accuracy_fn, environments, context = data
         self.cfg, self.engine, self.tracer, self.ranks = cfg, engine, tracer, ranks
         self.push_check = push_check
         self.producer = Producer(engine, tokenizer, examples, shots, reward_fn, cfg, tracer, eval_examples=self.evals,
-                                 accuracy_fn=accuracy_fn, cores=producer_cores)
+                                 accuracy_fn=accuracy_fn, cores=producer_cores, environments=environments,
+                                 context=context)
         started.callback(self.producer.close)
         out = Path(cfg.trainer.output_dir)
         logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,

@@ -22,6 +22,15 @@ same engines and version, until B informative groups are queued or
 `algorithm.max_draws_per_iteration` prompts were drawn (`_Draws`). Under periodic asynchrony the
 extra rounds generate while the trainer trains the groups already queued.
 
+Episodes (the run has an environment or tools: `env.*`, or the TRL drop-in's `tools=` /
+`environment_factory`): each round's groups, and in the first round the held-out ones (one
+greedy episode each), run concurrently as multi-turn episodes (episode/runner.py) through one
+continuer (the built-in and vLLM engines' batchers fed as turns arrive; Ray in waves), closed
+before the thread ends and so before the barrier's push. A group is scored and queued as its G
+episodes finish: every model turn must carry the iteration's version (else the run stops), the
+rewards are the reward functions' plus each environment's get_reward(), a failed episode's is
+NaN, and the trainer gets `episode_group`'s shared prompt, responses and loss mask.
+
 `generation_done` is set once the engines have returned every request of the iteration
 (before the last group is queued): from then on the engines' devices are free until the
 barrier, and the consumer may take them (`trainer.threads_after_generation`).
@@ -43,6 +52,8 @@ the consumer by `stream()`, which never blocks forever (engine timeouts bound ge
 
 from __future__ import annotations
 
+import asyncio
+import math
 import queue
 import threading
 import time
@@ -51,9 +62,14 @@ from typing import Callable, Iterator, Sequence
 from periodic_async import grpo
 from periodic_async.config import RunConfig
 from periodic_async.parallel.affinity import pin_thread, starting_on
-from periodic_async.data import (Example, encode_prompts, extra_prompts, iteration_prompts, reward_kwargs,
-                                 reward_prompt)
+from periodic_async.data import (DataError, Example, encode_prompts, extra_prompts, iteration_prompts,
+                                 prompt_messages, reward_kwargs, reward_prompt)
 from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
+from periodic_async.episode import (Continuer, Environments, Episode, EpisodeLimits, EpisodeRunner, GroupSpec,
+                                    StreamingContinuer, WaveContinuer, episode_group)
+from periodic_async.episode.formats import make_format
+from periodic_async.episode.protocol import load_environments
+from periodic_async.episode.runner import gather
 from periodic_async.evaluate import accuracy_stats, per_task
 from periodic_async.group import Group
 from periodic_async.reward import RewardError, TrainerState, make_accuracy
@@ -67,6 +83,10 @@ class _Done:
 class _Failed:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+
+
+class _Stopped(Exception):
+    """The producer was closed while episodes ran: the thread ends without finishing the iteration."""
 
 
 def request_seed(run_seed: int, iteration: int, position: int) -> int:
@@ -129,7 +149,8 @@ class Producer:
     def __init__(self, engine: Engine, tokenizer, examples: Sequence[Example], shots: Sequence[Example],
                  reward_fn: Callable[..., list[float]], cfg: RunConfig, tracer: Tracer | None = None,
                  eval_examples: Sequence[Example] = (),
-                 accuracy_fn: Callable[..., list[float]] | None = None, cores: list[int] | None = None) -> None:
+                 accuracy_fn: Callable[..., list[float]] | None = None, cores: list[int] | None = None,
+                 environments: Environments | None = None, context: int | None = None) -> None:
         self.engine, self.tokenizer, self.examples = engine, tokenizer, examples
         self.cores = cores
         """The cores of the producer's thread (parallel/affinity.py: off the trainer's); None: any."""
@@ -157,6 +178,31 @@ class Producer:
         self.params = SamplingParams.of(cfg.engine)
         self.greedy = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=0.0, stop=list(cfg.engine.stop))
         self.timeout_s = cfg.engine.timeout_s
+        self.environments = environments
+        """Episodes (env.*, or the TRL drop-in's environment_factory and tools): every group is G
+        episodes run by `EpisodeRunner`; None: single-turn groups."""
+        if environments is None and cfg.env.enabled:
+            self.environments = load_environments(cfg.env)
+        if self.environments is not None:
+            self._setup_episodes(cfg, context)
+
+    def _setup_episodes(self, cfg: RunConfig, context: int | None) -> None:
+        """The episodes' limits and tool format, and what can be checked before the first episode:
+        the tool format against the chat template, every example's chat messages, and its
+        `environment` column under a dict factory (each a one-line error)."""
+        env = cfg.env
+        self.limits = EpisodeLimits(max_turns=env.max_turns, max_tokens=env.budget(cfg.engine),
+                                    max_turn_tokens=cfg.engine.max_tokens, call_timeout_s=env.call_timeout_s,
+                                    on_failure=env.on_failure, tool_exceptions=env.tool_exceptions,
+                                    context=context or 0)
+        self.tool_format = env.tool_format
+        make_format(self.tokenizer, self.tool_format, needs_tools=self.environments.has_tools)
+        for what, examples in (("training", self.examples), ("held-out", self.eval_examples)):
+            for i, e in enumerate(examples):
+                if isinstance(e.prompt, str):
+                    raise DataError(f"{what} example {i}: a text prompt; episodes need chat messages (a "
+                                    "conversational 'prompt', or the prompt template's)")
+                self.environments.name_for(episode_row(e), where=f"{what} example {i}")
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._prompt_ids:
@@ -221,42 +267,149 @@ class Producer:
             draws = _Draws(iteration, self.algorithm.prompts_per_iteration, self.algorithm.draws_cap)
             self.draws[iteration] = draws
             first = self.iteration_requests(iteration)
-            requests, by_id = self._requests(first, 0)
             draws.drawn = len(first)
             every = self.trainer.eval_every
-            evaluate = every and version % every == 0 and version not in self.eval_results and self.eval_examples
-            evals = self._eval_requests(iteration) if evaluate else {}
-            requests += [r for r, _ in evals.values()]
-            eval_texts: dict[int, str] = {}
-            submitted = time.time()
-            while requests:  # one round; dynamic sampling: more rounds, each after the last one's outputs
-                filtered = 0
-                for out in self.engine.generate(requests):
-                    if self._stop.is_set():
-                        return
-                    if out.request_id in evals:
-                        eval_texts[evals.pop(out.request_id)[1]] = out.samples[0].text
-                        continue
-                    position, index, example = by_id.pop(out.request_id)
-                    group = self._score(out, index, example, iteration, version, submitted)
-                    group.timings["position"] = position  # draw (dataset) order, for the sync modes
-                    keep = draws.add(group, self.algorithm.dynamic_sampling)
-                    filtered += not keep
-                    if not by_id and not evals and not draws.more(filtered):
-                        self.generation_done.set()
-                    if keep:
-                        self.queue.put(group)
-                if by_id or evals:
-                    raise RuntimeError(f"producer: engine finished without requests {sorted(by_id) + sorted(evals)}")
-                extra = self.extra_requests(iteration, draws.drawn, draws.more(filtered))
-                requests, by_id = self._requests(extra, draws.drawn)
-                draws.drawn += len(extra)
-            self.generation_done.set()
-            if eval_texts:
-                self._score_eval(eval_texts, iteration, version)
+            evaluate = bool(every and version % every == 0 and version not in self.eval_results and self.eval_examples)
+            if self.environments is None:
+                self._rounds(iteration, version, draws, first, evaluate)
+            else:
+                self._episode_rounds(iteration, version, draws, first, evaluate)
             self.queue.put(_Done())
+        except _Stopped:
+            return
         except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
             self.queue.put(_Failed(e))
+
+    def _rounds(self, iteration: int, version: int, draws: _Draws, first: list, evaluate: bool) -> None:
+        """Single-turn groups: one engine request of G samples per prompt; dynamic sampling's rounds."""
+        requests, by_id = self._requests(first, 0)
+        evals = self._eval_requests(iteration) if evaluate else {}
+        requests += [r for r, _ in evals.values()]
+        eval_texts: dict[int, str] = {}
+        submitted = time.time()
+        while requests:  # one round; dynamic sampling: more rounds, each after the last one's outputs
+            filtered = 0
+            for out in self.engine.generate(requests):
+                if self._stop.is_set():
+                    raise _Stopped
+                if out.request_id in evals:
+                    eval_texts[evals.pop(out.request_id)[1]] = out.samples[0].text
+                    continue
+                position, index, example = by_id.pop(out.request_id)
+                group = self._score(out, index, example, iteration, version, submitted)
+                group.timings["position"] = position  # draw (dataset) order, for the sync modes
+                keep = draws.add(group, self.algorithm.dynamic_sampling)
+                filtered += not keep
+                if not by_id and not evals and not draws.more(filtered):
+                    self.generation_done.set()
+                if keep:
+                    self.queue.put(group)
+            if by_id or evals:
+                raise RuntimeError(f"producer: engine finished without requests {sorted(by_id) + sorted(evals)}")
+            extra = self.extra_requests(iteration, draws.drawn, draws.more(filtered))
+            requests, by_id = self._requests(extra, draws.drawn)
+            draws.drawn += len(extra)
+        self.generation_done.set()
+        if eval_texts:
+            self._score_eval(eval_texts, iteration, version)
+
+    # --- episodes -----------------------------------------------------------------------------
+
+    def _episode_rounds(self, iteration: int, version: int, draws: _Draws, first: list, evaluate: bool) -> None:
+        """Episodes: every group of the round (and, in the first, the held-out episodes) runs
+        concurrently on one event loop through one continuer, closed before the thread ends (so
+        before the barrier's push); each group is scored and queued as it finishes."""
+        submitted = time.time()
+        batch, start = first, 0
+        eval_texts: dict[int, str] = {}
+        with self._continuer() as continuer:
+            runner, greedy = self._runner(continuer, self.params), self._runner(continuer, self.greedy)
+            while batch:  # one round; dynamic sampling: more rounds, each after the last one's groups
+                by_id = {r.request_id: (start + k, i, e) for k, (r, i, e) in enumerate(batch)}
+                filtered = 0
+
+                def on_group(key, episodes: list[Episode]) -> None:
+                    nonlocal filtered
+                    if self._stop.is_set():
+                        raise _Stopped
+                    position, index, example = by_id.pop(key)
+                    group = self._score_episodes(episodes, key, index, example, iteration, version, submitted)
+                    group.timings["position"] = position
+                    keep = draws.add(group, self.algorithm.dynamic_sampling)
+                    filtered += not keep
+                    if keep:
+                        self.queue.put(group)
+
+                specs = [self._spec(r.request_id, r.request_id, e, r.n, r.seed) for r, _, e in batch]
+                evals = self._eval_specs(iteration) if evaluate and start == 0 else []
+                _, held_out = asyncio.run(gather([runner.run_groups(specs, on_group), greedy.run_groups(evals)]))
+                eval_texts.update({i: eps[0].text for i, eps in held_out.items()})
+                start = draws.drawn
+                batch = self.extra_requests(iteration, start, draws.more(filtered))
+                draws.drawn += len(batch)
+        self.generation_done.set()
+        if eval_texts:
+            self._score_eval(eval_texts, iteration, version)
+
+    def _continuer(self) -> Continuer:
+        """How episodes reach the engine: an in-process engine's batchers fed as turns arrive
+        (built-in, vLLM), else waves of generate() (Ray)."""
+        try:
+            return StreamingContinuer(self.engine)
+        except TypeError:
+            return WaveContinuer(self.engine)
+
+    def _runner(self, continuer: Continuer, params: SamplingParams) -> EpisodeRunner:
+        return EpisodeRunner(self.tokenizer, continuer, self.environments, params, self.limits, self.tool_format)
+
+    def _spec(self, key, request_id: str, example: Example, n: int, seed: int) -> GroupSpec:
+        return GroupSpec(key, prompt_messages(example, self.shots, self.data), episode_row(example), n, seed,
+                         request_id)
+
+    def _eval_specs(self, iteration: int) -> list[GroupSpec]:
+        """One greedy episode per held-out example (seed = its index, as single-turn held-out requests)."""
+        return [self._spec(i, f"eval{iteration}-{i}", e, 1, i) for i, e in enumerate(self.eval_examples)]
+
+    def _score_episodes(self, episodes: list[Episode], key: str, index: int, example: Example, iteration: int,
+                        version: int, submitted: float) -> Group:
+        """The Group of one prompt's G episodes: the on-policy check (every model turn sampled by
+        `version`), the rewards (the reward functions on the model's text, TRL's arguments plus
+        `environments`, and each environment's get_reward() at weight 1; a failed episode's reward is
+        NaN: out of its group's baseline), the accuracy, the advantages, the episodes' counts."""
+        versions = set().union(*(ep.versions for ep in episodes))
+        if versions - {version}:
+            raise RuntimeError(f"producer: group {key} has model turns sampled by versions {sorted(versions)}; "
+                               f"iteration {iteration} samples with version {version} only (an episode may not "
+                               "span weight versions)")
+        t0 = time.time()
+        n, packed = len(episodes), episode_group(episodes)
+        texts = [ep.text for ep in episodes]
+        prompts = [self._prompt(example)] * n
+        columns = {**reward_kwargs([example] * n), "completion_ids": [ep.completion_ids for ep in episodes],
+                   "trainer_state": self.trainer_state(iteration), "environments": [ep.environment for ep in episodes],
+                   "completion_messages": [ep.messages for ep in episodes]}
+        try:
+            scores = self.reward_fn(prompts, texts, **columns)
+            correct = self.accuracy_fn(prompts, texts, **columns)
+        except Exception as e:
+            raise RewardError(f"iteration {iteration}, prompt {index} (group {key}): {type(e).__name__}: {e}") from e
+        rewards = [_with_environment(float(r), ep) for r, ep in zip(scores, episodes, strict=True)]
+        advantages = grpo.group_advantages(rewards, mode=self.algorithm.advantage,
+                                           eps=self.algorithm.advantage_eps).tolist()
+        counts: dict[str, float] = {"episode/episodes": n,
+                                    "episode/used_tools": sum(ep.tool_calls > 0 for ep in episodes)}
+        for ep in episodes:
+            for k, v in ep.metrics().items():
+                counts[k] = counts.get(k, 0) + v
+        t1 = time.time()
+        self.tracer.add("reward", "producer", t0, t1, request=key)
+        return Group(
+            prompt_index=index, iteration=iteration, version=version, prompt_ids=packed.prompt_ids,
+            response_ids=packed.response_ids, behaviour_logprobs=packed.behaviour_logprobs, rewards=rewards,
+            advantages=advantages, texts=texts,
+            finish_reasons=["failed" if ep.failure else ep.truncated or "stop" for ep in episodes],
+            answer=example.answer, correct=correct, loss_mask=packed.loss_mask, episode_counts=counts,
+            timings={"submitted": submitted, "finished": t0, "scored": t1, "reward_s": t1 - t0, "worker": 0})
 
     @staticmethod
     def _requests(draws: list[tuple[Request, int, Example]], first: int) -> tuple[list[Request], dict]:
@@ -289,6 +442,10 @@ class Producer:
         (the end of a run, when no iteration is generating)."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("producer: evaluate_now while an iteration is generating")
+        if self.environments is not None:
+            with self._continuer() as continuer:
+                episodes = self._runner(continuer, self.greedy).run(self._eval_specs(iteration))
+            return self._score_eval({i: eps[0].text for i, eps in episodes.items()}, iteration, self.engine.version)
         evals = self._eval_requests(iteration)
         texts = {evals[out.request_id][1]: out.samples[0].text
                  for out in self.engine.generate([r for r, _ in evals.values()])}
@@ -355,3 +512,22 @@ class Producer:
             timings={"submitted": submitted, "finished": max(e["finished"] for e in out.events),
                      "scored": t1, "reward_s": t1 - t0, "worker": out.worker},
         )
+
+
+def episode_row(example: Example) -> dict:
+    """What an environment's reset(**row) gets: the dataset row (TRL's datasets: the row as given,
+    `prompt` included), with the parsed `question` and `answer` for ours."""
+    if example.prompt is not None:
+        return dict(example.columns)
+    return {**example.columns, "question": example.question, "answer": example.answer}
+
+
+def _with_environment(reward: float, episode: Episode) -> float:
+    """An episode's reward: the reward functions' `reward` plus its environment's get_reward() (weight 1,
+    TRL's extra reward source; NaN, scored by no function, counts as 0 beside it); NaN when it failed."""
+    if episode.failure is not None:
+        return math.nan
+    if episode.env_reward is None:
+        return reward
+    return episode.env_reward + (0.0 if math.isnan(reward) else reward)
+

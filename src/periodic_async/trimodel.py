@@ -203,24 +203,28 @@ class TriModel:
 
     def micro_step(self, inputs, acc: grpo.LossAccumulator, with_entropy: bool = True) -> dict[str, torch.Tensor]:
         """Forward the three models, backpropagate the micro-batch's un-normalised loss sum,
-        record it in `acc`. inputs: a `batching.MicroBatchInputs`. Returns the metric sums."""
+        record it in `acc`. inputs: a `batching.MicroBatchInputs`; its `loss_mask_N` (episodes)
+        multiplies the token weights: environment tokens carry no loss, no gradient and no
+        metric, and are not counted in `acc`'s tokens. Returns the metric sums."""
         out = self.forward(inputs.packed, with_entropy=with_entropy)
         if self.old_from_behaviour:  # off-policy: PPO's old policy is the one that sampled
             out.old_N = inputs.behaviour_logp_N.to(out.policy_N.dtype)
+        mask_N = inputs.loss_mask_N  # episodes: environment tokens out of the loss (None: single-turn)
         w_N = grpo.token_weights(inputs.packed.sample_N, inputs.lengths_S, self.cfg.loss_norm,
                                  dtype=out.policy_N.dtype)
         is_N, is_sums = None, {}
         if self.cfg.behaviour_is != "off":  # engines vs trainer (old) on the sampled tokens
             is_N, is_sums = grpo.behaviour_is_ratio(out.old_N, inputs.behaviour_logp_N, inputs.packed.sample_N,
                                                     inputs.num_samples, self.cfg.behaviour_is,
-                                                    self.cfg.behaviour_is_min, self.cfg.behaviour_is_max)
+                                                    self.cfg.behaviour_is_min, self.cfg.behaviour_is_max, mask_N)
         loss_sum, sums = grpo.micro_batch_loss(out.policy_N, out.old_N, out.ref_N, inputs.advantages_N, w_N,
-                                               self.cfg, out.entropy_N, is_ratio_N=is_N)
+                                               self.cfg, out.entropy_N, is_ratio_N=is_N, mask_N=mask_N)
         sums.update(is_sums)
         (loss_sum if self.scaler is None else self.scaler.scale(loss_sum)).backward()
         # Trainer vs engine log-probs of the sampled tokens (same weights): a layout or
         # alignment bug shows here first; ~1e-6 is fp noise between the two code paths.
-        sums["behaviour_gap"] = (out.policy_N.detach() - inputs.behaviour_logp_N.to(out.policy_N.dtype)).abs().sum()
+        gap_N = (out.policy_N.detach() - inputs.behaviour_logp_N.to(out.policy_N.dtype)).abs()
+        sums["behaviour_gap"] = (gap_N if mask_N is None else gap_N * mask_N.to(gap_N.dtype)).sum()
         acc.add(sums, num_tokens=inputs.num_tokens, num_sequences=inputs.num_samples)
         return sums
 

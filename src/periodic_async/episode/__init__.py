@@ -12,7 +12,9 @@ The room beside `reward/` and below the producer, built on TRL's protocol (`tool
     pack.py       a group of episodes as the trainer consumes it (shared prompt, loss mask)
     envs.py       built-in environments: a calculator with a verifier, long-tailed latency
 
-The room exists; wiring it into the producer, the CLI and the TRL drop-in follows (docs/episodes.md).
+Above it: the producer runs an iteration's groups as episodes when the run has an environment or
+tools (the `env` section, or the TRL drop-in's `tools=` / `environment_factory`), the trainer
+takes `episode_group`'s loss mask (docs/episodes.md).
 """
 
 from periodic_async.episode.continuer import Continuer, StreamingContinuer, WaveContinuer

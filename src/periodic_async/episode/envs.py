@@ -137,15 +137,16 @@ def answers_match(given: str | None, truth: str) -> bool:
 class CalculatorEnv:
     """Arithmetic with a calculator tool and a verifier (module docstring)."""
 
-    def __init__(self, latency: Latency | None = None, attempts: int = 1, answer_column: str = "answer"):
+    def __init__(self, latency: Latency | dict | None = None, attempts: int = 1, answer_column: str = "answer"):
+        """latency: a `Latency`, or its fields as a mapping (env.factory_kwargs); None: no wait."""
         if attempts < 1:
             raise ValueError(f"CalculatorEnv: attempts={attempts} must be >= 1")
-        self.latency = latency or Latency(scale=0.0)
+        self.latency = Latency(**latency) if isinstance(latency, dict) else latency or Latency(scale=0.0)
         self.attempts, self.answer_column = attempts, answer_column
         self._reset_state("", "")
 
     @classmethod
-    def factory(cls, latency: Latency | None = None, attempts: int = 1, answer_column: str = "answer"):
+    def factory(cls, latency: Latency | dict | None = None, attempts: int = 1, answer_column: str = "answer"):
         """An environment_factory (no arguments) making such environments."""
         return functools.partial(cls, latency=latency, attempts=attempts, answer_column=answer_column)
 

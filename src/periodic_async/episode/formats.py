@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from periodic_async.episode.protocol import ProtocolError
 
-ToolFormat = Literal["template", "plain"]
+ToolFormat = Literal["template", "plain", "auto"]
 
 
 @dataclass
@@ -265,10 +265,13 @@ def with_tools(messages: list[dict], schemas: list[dict]) -> list[dict]:
 
 
 def make_format(tokenizer, tool_format: ToolFormat = "template", needs_tools: bool = True) -> _Format:
-    """The format episodes of `tokenizer` use. Without tools (an environment with feedback alone)
-    any chat template will do, and the plain-text format is taken."""
-    if tool_format not in ("template", "plain"):
-        raise ProtocolError(f"tool_format={tool_format!r}: expected 'template' or 'plain'")
+    """The format episodes of `tokenizer` use: 'template', 'plain', or 'auto' (the template's where
+    it renders tools, else plain). Without tools (an environment with feedback alone) any chat
+    template will do, and the plain-text format is taken."""
+    if tool_format not in ("template", "plain", "auto"):
+        raise ProtocolError(f"tool_format={tool_format!r}: expected 'template', 'plain' or 'auto'")
+    if tool_format == "auto":
+        tool_format = "template" if renders_tools(tokenizer) else "plain"
     if tool_format == "plain" or not needs_tools:
         return PlainTextFormat(tokenizer)
     return TemplateFormat(tokenizer)

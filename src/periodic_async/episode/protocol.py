@@ -24,16 +24,19 @@ ends, and the process can exit.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from periodic_async.config import EnvConfig, UserError
+
 NOT_TOOLS = frozenset({"reset", "get_reward", "feedback"})
 """Environment methods that are part of the protocol, not tools."""
 
 
-class ProtocolError(ValueError):
+class ProtocolError(UserError, ValueError):
     """Bad input: an environment, a tool, a row or a chat template that the protocol cannot use (one line)."""
 
 
@@ -108,12 +111,16 @@ class Environments:
             self.factories = {None: environment_factory}
         self._schemas: dict[str | None, list[dict]] = {}
         """The tool schemas a prompt of each environment shows (standalone tools first)."""
+        self.has_reward = False
+        """Some environment has get_reward(): a reward source of weight 1 (TRL: reward_funcs may be left out)."""
         for name, factory in self.factories.items():
             where = "environment_factory" + ("" if name is None else f"[{name!r}]")
             if not callable(factory):
                 raise ProtocolError(f"{where}: {factory!r} is not callable")
-            box = _toolbox(self.tools + environment_tools(factory(), where), where)
+            probe = factory()
+            box = _toolbox(self.tools + environment_tools(probe, where), where)
             self._schemas[name] = [tool_schema(fn) for fn in box.tools.values()]
+            self.has_reward |= callable(getattr(probe, "get_reward", None))
         if not self.factories:
             self._schemas[None] = [tool_schema(fn) for fn in _toolbox(self.tools, "tools").tools.values()]
 
@@ -190,3 +197,20 @@ async def call(fn: Callable, kwargs: Mapping[str, Any], timeout_s: float, what: 
     if inspect.isawaitable(result):  # a sync callable that returned a coroutine (e.g. a functools.partial)
         return await asyncio.wait_for(result, timeout_s)
     return result
+
+
+def load_environments(cfg: EnvConfig) -> Environments:
+    """`Environments` from the run's `env` section: its factory (or {name: factory}) and tools
+    loaded from their 'module:callable' / 'file.py:callable' specs (a bad spec is one line naming
+    it), each factory called with `env.factory_kwargs`, and checked as `Environments` checks them."""
+    from periodic_async.reward import load_reward_fn
+
+    def factory(spec: str, where: str) -> Callable:
+        fn = load_reward_fn(spec, what=where)
+        return functools.partial(fn, **cfg.factory_kwargs) if cfg.factory_kwargs else fn
+
+    if isinstance(cfg.factory, Mapping):
+        factories = {name: factory(spec, f"env.factory[{name!r}]") for name, spec in cfg.factory.items()}
+    else:
+        factories = factory(cfg.factory, "env.factory") if cfg.factory else None
+    return Environments(factories, [load_reward_fn(spec, what="env.tools") for spec in cfg.tools])

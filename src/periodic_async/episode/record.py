@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from periodic_async.config import UserError
+
 MODEL, ENV = "model", "env"
 
 Truncation = Literal["max_turns", "token_budget", "turn_length"]
@@ -26,7 +28,7 @@ completion would have outgrown `EpisodeLimits.max_tokens`), 'turn_length' (a mod
 `EpisodeLimits.max_turn_tokens` without ending)."""
 
 
-class EpisodeError(RuntimeError):
+class EpisodeError(UserError, RuntimeError):
     """Stops the run: a programming error in an environment or a tool (a tool answer that is not a
     string), or any failure when `EpisodeLimits.on_failure == 'raise'`. One line naming what failed."""
 
@@ -49,11 +51,20 @@ class EpisodeLimits:
     tool_exceptions: Literal["answer", "fail"] = "answer"
     """A tool that raises: 'answer' gives the model the error text as the tool's answer (TRL's
     behaviour, counted in `tool_errors`); 'fail' treats it as a failure (`on_failure`)."""
+    context: int = 0
+    """The model's context (max_position_embeddings): an episode's budget is at most this minus
+    its prompt (a prompt that leaves no room is a failure); 0: no cap."""
+
+    def budget(self, prompt_tokens: int) -> int:
+        """The token budget of an episode whose prompt has `prompt_tokens` ids."""
+        return min(self.max_tokens, self.context - prompt_tokens) if self.context else self.max_tokens
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_tokens", "max_turn_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EpisodeLimits.{name}={getattr(self, name)}: must be >= 1")
+        if self.context < 0:
+            raise ValueError(f"EpisodeLimits.context={self.context}: must be >= 0 (0: no cap)")
         if not self.call_timeout_s > 0:
             raise ValueError(f"EpisodeLimits.call_timeout_s={self.call_timeout_s}: must be > 0")
         if self.on_failure not in ("end", "raise"):

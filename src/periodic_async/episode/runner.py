@@ -88,7 +88,7 @@ class EpisodeRunner:
                 on_group(spec.key, episodes)
             return spec.key, episodes
 
-        return dict(await _all([one(s) for s in specs]))
+        return dict(await gather([one(s) for s in specs]))
 
     def run(self, specs: Sequence[GroupSpec], on_group=None) -> dict[Any, list[Episode]]:
         """`run_groups` on a new event loop, from a thread that runs none (the producer's)."""
@@ -99,14 +99,14 @@ class EpisodeRunner:
         """The G episodes of one group, in index order."""
         envs = self.environments
         name = envs.name_for(spec.row, where=f"group {spec.request_id}") if envs.factories else None
-        starts = await _all([self._start(spec, name, k) for k in range(spec.n)])
+        starts = await gather([self._start(spec, name, k) for k in range(spec.n)])
         live = [s for s in starts if s[0].failure is None]
-        params = self._params(self.limits.max_tokens)
+        params = self._params(self.limits.budget(len(live[0][0].prompt_ids)) if live else 1)
         first: asyncio.Future | None = None
         if live and len({tuple(ep.prompt_ids) for ep, _ in live}) == 1:  # one prefill for the group
             first = asyncio.ensure_future(self.continuer(Request(
                 f"{spec.request_id}-t0", live[0][0].prompt_ids, spec.n, params, spec.seed)))
-        return await _all([self._episode(spec, ep, toolbox, first) for ep, toolbox in starts])
+        return await gather([self._episode(spec, ep, toolbox, first) for ep, toolbox in starts])
 
     def _params(self, budget_left: int) -> SamplingParams:
         return dataclasses.replace(self.params, max_tokens=min(self.limits.max_turn_tokens, budget_left))
@@ -147,6 +147,10 @@ class EpisodeRunner:
             ep.prompt_ids = self.format.prompt_ids(spec.messages, [])
             return self._fail(ep, e, where), Toolbox({})
         ep.prompt_ids = self.format.prompt_ids(messages, envs.schemas(name))
+        if self.limits.budget(len(ep.prompt_ids)) < 1:
+            e = _Failed(f"the prompt's {len(ep.prompt_ids)} tokens leave no room in the model's context of "
+                        f"{self.limits.context}")
+            return self._fail(ep, e, where), Toolbox({})
         return ep, envs.toolbox(env)
 
     async def _episode(self, spec: GroupSpec, ep: Episode, toolbox: Toolbox, first: asyncio.Future | None) -> Episode:
@@ -165,13 +169,14 @@ class EpisodeRunner:
 
     async def _turns(self, spec: GroupSpec, ep: Episode, toolbox: Toolbox, first: asyncio.Future | None) -> None:
         lim, k, eos = self.limits, ep.index, self.tokenizer.eos_token_id
+        budget = lim.budget(len(ep.prompt_ids))
         schemas = self.environments.schemas(ep.environment_name)
         if first is not None:
             out: RequestOutput = await first
             sample = out.samples[k]
         else:
             out = await self.continuer(Request(f"{spec.request_id}-e{k}-t0", ep.prompt_ids, 1,
-                                               self._params(lim.max_tokens), turn_seed(spec.seed, k, 0)))
+                                               self._params(budget), turn_seed(spec.seed, k, 0)))
             sample = out.samples[0]
         used = 0
         while True:
@@ -181,7 +186,7 @@ class EpisodeRunner:
             ep.turns.append(Turn(MODEL, ids, list(sample.logprobs), text, sample.finish_reason, out.version))
             used += len(ids)
             if sample.finish_reason == "length":
-                ep.truncated = "token_budget" if used >= lim.max_tokens else "turn_length"
+                ep.truncated = "token_budget" if used >= budget else "turn_length"
                 return
             message, calls = self.format.parse(ids, context, schemas)
             ep.messages.append(message)
@@ -208,7 +213,7 @@ class EpisodeRunner:
                     return
                 env_messages, kind, named = self.format.feedback_messages(reply), "feedback", None
             env_ids = ([] if ids[-1] == eos else [eos]) + self.format.env_ids(env_messages, named)
-            if used + len(env_ids) >= lim.max_tokens:
+            if used + len(env_ids) >= budget:
                 ep.truncated = "token_budget"
                 return
             ep.turns.append(Turn(ENV, env_ids, [], "".join(m["content"] for m in env_messages), kind))
@@ -217,7 +222,7 @@ class EpisodeRunner:
             used += len(env_ids)
             turn = ep.num_turns
             out = await self.continuer(Request(f"{spec.request_id}-e{k}-t{turn}", ep.token_ids, 1,
-                                               self._params(lim.max_tokens - used), turn_seed(spec.seed, k, turn)))
+                                               self._params(budget - used), turn_seed(spec.seed, k, turn)))
             sample = out.samples[0]
 
     async def _run_calls(self, ep: Episode, calls, toolbox: Toolbox) -> list[tuple[str, str]]:
@@ -256,7 +261,7 @@ class EpisodeRunner:
         return answers
 
 
-async def _all(coros: list) -> list:
+async def gather(coros: list) -> list:
     """gather, cancelling the others when one raises (Python 3.10 has no TaskGroup)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:

@@ -3,7 +3,10 @@
 A reward function has TRL's shape, `f(prompts, completions, **kwargs) -> list[float]`,
 where kwargs carry every column of the dataset, one value per completion (`data.reward_kwargs`;
 `answer` is always there, the parsed ground truth), `completion_ids` and `trainer_state`
-(`TrainerState`). The producer scores each finished group
+(`TrainerState`). Episodes (env.*) add `environments` (each episode's environment instance, as
+TRL passes them; to functions that run in this process only, `reward.timeout_s=0`) and
+`completion_messages` (each episode's turns as chat messages); `completions` are then the
+model's turns' text, joined. The producer scores each finished group
 with the weighted sum of the configured functions (`combined_reward`), and its accuracy with
 `reward.accuracy_function` (`make_accuracy`, scores in [0, 1]; held-out evaluation uses it too).
 Answers are parsed and compared in answers.py; user functions run in worker.py's timed worker process.
@@ -106,30 +109,31 @@ def format_reward(prompts: Sequence, completions: Sequence[str], **kwargs) -> li
     return [1.0 if re.search(r"####\s*[-+]?\$?\d", c) else 0.0 for c in completions]
 
 
-def load_reward_fn(spec: str) -> RewardFn:
+def load_reward_fn(spec: str, what: str = "reward function") -> RewardFn:
     """Load 'package.module:function' (imported through `sys.path`) or 'path/to/file.py:function'
-    (exactly that file). Nothing else is imported. Raises `RewardError` naming the spec."""
+    (exactly that file). Nothing else is imported. Raises `RewardError` naming the spec (as `what`:
+    the same loader takes environments and tools, env.factory and env.tools)."""
     if ":" not in spec:
-        raise RewardError(f"reward function {spec!r}: expected 'module:function' or 'file.py:function'")
+        raise RewardError(f"{what} {spec!r}: expected 'module:function' or 'file.py:function'")
     mod_name, fn_name = spec.rsplit(":", 1)
     if mod_name.endswith(".py"):
         path = Path(mod_name)
         if not path.is_file():
-            raise RewardError(f"reward function {spec!r}: file {mod_name!r} does not exist")
+            raise RewardError(f"{what} {spec!r}: file {mod_name!r} does not exist")
         s = importlib.util.spec_from_file_location(f"_user_reward_{path.stem}", path)
         module = importlib.util.module_from_spec(s)
         try:
             s.loader.exec_module(module)
         except Exception as e:
-            raise RewardError(f"reward function {spec!r}: loading {mod_name!r} raised {type(e).__name__}: {e}") from e
+            raise RewardError(f"{what} {spec!r}: loading {mod_name!r} raised {type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(mod_name)
         except ImportError as e:
-            raise RewardError(f"reward function {spec!r}: cannot import {mod_name!r} ({e})") from None
+            raise RewardError(f"{what} {spec!r}: cannot import {mod_name!r} ({e})") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise RewardError(f"reward function {spec!r}: {mod_name!r} has no callable {fn_name!r}")
+        raise RewardError(f"{what} {spec!r}: {mod_name!r} has no callable {fn_name!r}")
     return fn
 
 
@@ -200,6 +204,7 @@ def combined_reward(fns: Sequence[RewardFn | str], weights: Sequence[float], tim
         try:
             if isinstance(kwargs.get("trainer_state"), TrainerState):  # the worker speaks JSON
                 kwargs = {**kwargs, "trainer_state": dataclasses.asdict(kwargs["trainer_state"])}
+            kwargs = {k: v for k, v in kwargs.items() if k != "environments"}  # live objects stay here
             return worker.call("periodic_async.reward.functions:call_reward_fn", spec, list(prompts), list(completions),
                                kwargs, timeout_s=timeout_s)
         except TimeoutError:

@@ -33,6 +33,12 @@ Guarantees:
   [{"role": "assistant", "content": text}] lists for conversational prompts; a coroutine function
   is awaited; None means "not applicable" (NaN): the weighted sum ignores it, a sample that no
   function scored is left out of its group's baseline and gets advantage 0 (TRL 1.16).
+- Tools and environments are TRL's: `GRPOTrainer(tools=, environment_factory=)` (one factory or
+  {name: factory} by the rows' `environment` column), `reset(**row)` with the whole row, an
+  environment's get_reward() as a reward source of weight 1, `environments=` passed to the reward
+  functions, completions as the episode's messages, `max_tool_calling_iterations` and
+  `max_completion_length` bounding each episode; environment tokens are out of the loss
+  (docs/episodes.md). Each episode is sampled by one policy version, as every group is.
 - The loss is TRL's where TRL's is defined on the whole batch ("dapo", "dr_grpo", "grpo"), with its
   bias-corrected KL, its vLLM importance correction (with use_vllm=True) and dapo's normaliser over
   the generation batch at every optimizer step, and the advantages are TRL's ((r - mean_G) /

@@ -139,7 +139,6 @@ ONLY_DEFAULT: dict[str, tuple[Any, str]] = {
     "push_to_hub": (False, "nothing leaves this machine: save_model writes a directory"),
     "shuffle_dataset": (True, "prompts are reshuffled every epoch (a pure function of seed and iteration)"),
     "chat_template_kwargs": (None, "the chat template is applied with its defaults"),
-    "max_tool_calling_iterations": (None, "no tool calling"),
     "gradient_checkpointing_kwargs": (None, "transformers' non-reentrant checkpointing of each decoder layer"),
     "model_init_kwargs": (None, "the model is loaded in the run's dtype (bf16) from its directory"),
     "auto_find_batch_size": (False, "the batch is fixed"),
@@ -176,8 +175,6 @@ REFUSED: dict[str, str] = {
     "callbacks": "no Trainer callbacks: the run writes metrics.jsonl, eval.jsonl, rollouts.jsonl and W&B",
     "optimizers": "the optimizer is AdamW (learning_rate, adam_*, weight_decay, lr_scheduler_type)",
     "rollout_func": "generation is the engines' (the pipeline schedules it)",
-    "environment_factory": "no environments / tool calling",
-    "tools": "no tool calling",
     "use_liger_kernel": "no Liger kernels",
     "hub_model_id": "nothing leaves this machine",
     "resume_from_checkpoint": "pass it to train(resume_from_checkpoint=...)",
@@ -225,6 +222,8 @@ ALLOWED: dict[str, tuple[tuple | Callable[[Any], bool], str]] = {
     "per_device_train_batch_size": (_positive, "a count: at least 1"),
     "gradient_accumulation_steps": (_positive, "a count: at least 1"),
     "num_generations": (_positive, "a count: at least 1"),
+    "max_tool_calling_iterations": (lambda v: v is None or v >= 0, "None (no limit) or a count: at least 0"),
+    "tool_format": (("template", "plain", "auto"), "the tool formats of docs/episodes.md"),
 }
 """Mapped fields that take only some values: field -> (the values, or a test of one; why). Another
 value is one ConfigError line naming the field, the reason and the values taken."""
@@ -270,6 +269,10 @@ class GRPOConfig:
     max_prompt_length: int | None = None
     """A prompt longer than this many tokens stops the run at start-up (prompts are never cut here)."""
     max_completion_length: int = 512
+    """engine.max_tokens; with tools or an environment_factory also the episode's budget (env.max_tokens):
+    model and environment tokens after the prompt, as TRL counts them."""
+    max_tool_calling_iterations: int | None = None
+    """Tool-calling rounds per episode: env.max_turns = this + 1 model turns; None: no limit but the budget."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -326,6 +329,11 @@ class GRPOConfig:
     """torch threads of each engine worker on CPU (engine.threads_per_worker)."""
     trainer_threads: int = 1
     """torch threads of the trainer on CPU (trainer.threads)."""
+    tool_format: str = "template"
+    """env.tool_format, with tools or an environment_factory: 'template' (TRL's: the chat template's own
+    tool format; a template that cannot render tools is refused), 'plain' (the plain-text call format,
+    docs/episodes.md: for templates without tools, such as SmolLM2's) or 'auto' (plain where the
+    template cannot render tools)."""
     accuracy_function: str | Callable | None = None
     """What `accuracy` and held-out `eval/accuracy` count (scores in [0, 1]): a function called as the
     reward functions are, or its 'module:function'; None: the math correctness reward when the dataset has an
@@ -489,6 +497,10 @@ class GRPOConfig:
             "trainer.output_dir": self.output_dir or "trainer_output",
             "trainer.save_every": _every(self.save_steps, steps, total) if self.save_strategy == "steps" else 0,
             "pipeline.mode": self.mode, "logging.wandb_mode": wandb, "logging.progress": True,
+            # episodes (GRPOTrainer's tools / environment_factory): TRL's limits
+            "env.max_tokens": self.max_completion_length, "env.tool_format": self.tool_format,
+            "env.max_turns": (self.max_completion_length if self.max_tool_calling_iterations is None
+                              else self.max_tool_calling_iterations + 1),
         }
         if self.mode == "periodic-async":  # one group per micro-batch: training starts with the first group
             values.update({"algorithm.micro_batch_tokens": 0, "algorithm.micro_batch_groups": 1})

@@ -78,7 +78,9 @@ def trl_reward(funcs: Sequence[Callable], weights: Sequence[float], logs: _Logs 
 
     def reward(prompts: Sequence, completions: Sequence[str], **kwargs) -> list[float]:
         conversational = _is_messages(prompts[0]) if prompts else False
-        comps = [[{"role": "assistant", "content": c}] for c in completions] if conversational else list(completions)
+        messages = kwargs.pop("completion_messages", None)  # episodes: every turn, as TRL passes them
+        comps = ([list(m) for m in messages] if messages is not None else
+                 [[{"role": "assistant", "content": c}] for c in completions]) if conversational else list(completions)
         kwargs.setdefault("log_extra", logs.log_extra)
         kwargs.setdefault("log_metric", logs.log_metric)
         total = [math.nan] * len(completions)

@@ -41,10 +41,18 @@ class GRPOTrainer:
     processing_class: the tokenizer; None: the model directory's own.
     peft_config: a `peft.LoraConfig`: LoRA adapters train on the frozen model (model.lora; `lora.from_peft`
     says what is taken); `save_model` then writes the adapter, as TRL does for a PEFT model.
+    tools, environment_factory: TRL's (functions with type hints and docstrings; a callable making an
+    environment with reset(**row), its public methods as tools and an optional get_reward(), or a
+    dict of them selected by the rows' `environment` column): every group is G episodes
+    (docs/episodes.md), checked here as TRL checks them; an environment's get_reward() is a reward
+    source of weight 1, so reward_funcs may then be left out. `args.max_tool_calling_iterations` and
+    `args.max_completion_length` bound each episode; `args.tool_format` picks the plain-text call
+    format for chat templates that cannot render tools.
     """
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None, **kwargs) -> None:
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, peft_config=None, tools=None, environment_factory=None,
+                 **kwargs) -> None:
         for name, value in kwargs.items():
             if value is not None and value != (None, None):  # TRL's optimizers=(None, None)
                 raise ConfigError(f"GRPOTrainer({name}=...): not supported here "
@@ -62,9 +70,17 @@ class GRPOTrainer:
         self.lora = None if peft_config is None else from_peft(peft_config, lambda: _model_type(model))
         """model.lora of the run (from TRL's peft_config), or None: the full model trains."""
         self.model_path = self._model_path(model, processing_class)
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if not funcs:
-            raise ConfigError("GRPOTrainer(reward_funcs=[]): at least one reward function is needed")
+        self.environments = None
+        """The episodes' `Environments` (tools / environment_factory), or None: single-turn groups."""
+        if tools or environment_factory is not None:
+            from periodic_async.episode import Environments
+
+            self.environments = Environments(environment_factory, tools or [])
+        funcs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) \
+            else [reward_funcs]
+        if not funcs and not (self.environments is not None and self.environments.has_reward):
+            raise ConfigError("GRPOTrainer(reward_funcs=...): at least one reward function is needed (or an "
+                              "environment_factory whose environment has get_reward())")
         self.reward_funcs = [self._reward_fn(f) for f in funcs]
         weights = self.args.reward_weights or [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
@@ -77,6 +93,9 @@ class GRPOTrainer:
         self.train_examples = to_examples(train_dataset, "train_dataset")
         if not self.train_examples:
             raise DataError("GRPOTrainer(train_dataset=...): the dataset is empty")
+        if self.environments is not None and self.environments.multi:  # each row picks its environment
+            for i, e in enumerate(self.train_examples):
+                self.environments.name_for(e.columns, where=f"train_dataset row {i}")
         # eval_strategy='no': TRL never evaluates, so the eval_dataset is not used (nor needs an accuracy)
         self.eval_examples = to_examples(eval_dataset if self.args.eval_strategy != "no" else None, "eval_dataset")
         self.accuracy = self._accuracy_fn()
@@ -171,7 +190,8 @@ class GRPOTrainer:
             cfg.trainer.resume = "auto" if resume_from_checkpoint is True else str(resume_from_checkpoint)
         if self.args.max_prompt_length is not None:
             self._check_prompt_lengths(cfg)
-        task = pipeline.Task(self.train_examples, self.eval_examples, self.reward, self.accuracy)
+        task = pipeline.Task(self.train_examples, self.eval_examples, self.reward, self.accuracy,
+                             environments=self.environments)
         summary = pipeline.run(cfg, task=task)  # on every rank under torchrun (the other ranks' summary is short)
         self.state = summary
         self._model = None

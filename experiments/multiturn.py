@@ -1,0 +1,203 @@
+"""Multi-turn episodes with a calculator tool and a verifier: does periodic asynchrony keep its
+speedup when generation waits on an environment, strictly on-policy?
+
+    bash experiments/multiturn.sh                       (QUICK=1: a smoke run on a tiny preset)
+    python experiments/multiturn.py [--quick] [--repeats 3] [--spreads 0.2,1,3] [--results results]
+        [section.key=value ...]
+
+The task (multiturn.yaml): reasoning-gym's basic_arithmetic with two- and three-digit numbers and
+products, on SmolLM2-135M-Instruct. The environment, `periodic_async.episode.envs:CalculatorEnv`:
+a `calculator(expression)` tool and a verifier that answers every reply without a tool call
+(wrong, with attempts left: "try again"; up to 3 attempts), so its latency is paid on every
+episode, not only once the model calls the tool. Each call waits a lognormal time, median 0.2 s,
+99th percentile `--spreads` (seconds; 0.2 = no spread), drawn from the call's content (a rerun
+waits the same). The calls use the plain-text format (SmolLM2's template renders no tools).
+
+1. Warm start. A 135M model calls no tool it has not seen. It is trained (the `sft` loss,
+   sft.sft_loss) on `WARM_EPISODES` tool-calling episodes written with `format_call`: the prompt
+   with the tool listed, the call `<tool_call>calculator(expression="...")</tool_call>`, the tool's
+   answer, then `<answer>...</answer>`. The tool-use rate and the accuracy of greedy episodes on the
+   held-out questions, before and after, go to <results>/multiturn_warm_start.csv.
+2. The systems, from the warm start, per spread: sync-separated, periodic-async, sync-colocated
+   and async-offpolicy, interleaved, `--repeats` rounds (bench/protocol.py: medians, min, max,
+   paired ratios). At the widest spread also sync-separated and periodic-async without the
+   environment (single-turn, the same prompts and batch): the single-turn speedup the target
+   compares with. The bound: (T_gen + T_train) / max(T_gen, T_train) from the sync-separated runs,
+   as async_speedup.py computes it.
+3. The learning curve: per mode at the widest spread (the last round's runs), per iteration the
+   reward, the batch accuracy and the tool-use rate (episodes that called the tool).
+
+Writes
+  <results>/multiturn.csv             one row per spread and mode: tokens_per_s (median, min, max),
+      speedup_vs_sync_separated (ratio of medians; min/max of the same-round ratios), bound,
+      efficiency, mean_iteration_s, mean_generate_s, mean_train_s, and for periodic-async at the
+      widest spread single_turn_speedup and target_met (multi-turn speedup >= single-turn's);
+      repeats, git_commit, config_hash, settings
+  <results>/multiturn_curve.csv       mode, iteration, reward_mean, accuracy, tool_use_rate
+  <results>/multiturn_warm_start.csv  model (base, warm), tool_use_rate, accuracy, n
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+from periodic_async.bench.analysis import overlap_bound
+from periodic_async.bench.cli import experiment_parser
+from periodic_async.bench.protocol import SharedEngines, System, measure
+from periodic_async.config import RunConfig, load_config
+from periodic_async.data import load_examples, prompt_messages
+from periodic_async.engine import SamplingParams
+from periodic_async.engine.local import LocalEngine
+from periodic_async.episode import (EpisodeLimits, EpisodeRunner, GroupSpec, PlainTextFormat, StreamingContinuer,
+                                    format_call)
+from periodic_async.episode.envs import CalculatorEnv, evaluate, format_number
+from periodic_async.episode.protocol import Environments
+from periodic_async.model import load_policy
+from periodic_async.pipeline import run
+from periodic_async.producer import episode_row
+from periodic_async.records import write_csv
+from periodic_async.sft import sft_loss
+from periodic_async.trace import read_jsonl
+
+HERE = Path(__file__).resolve().parent
+MODES = ["sync-separated", "periodic-async", "sync-colocated", "async-offpolicy"]
+SPREADS = [0.2, 1.0, 3.0]
+"""p99 of the tool's and the verifier's latency in seconds (median 0.2 s): no spread, some, a code sandbox's."""
+WARM_EPISODES, WARM_STEPS, WARM_BATCH, WARM_LR = 300, 150, 8, 3e-5
+QUICK = ["model.name_or_path=qwen2-1m", "model.tokenizer=artifacts/tokenizer", "engine.backend=local",
+         "data.num_train=64", "data.num_eval=4", "engine.max_tokens=16", "env.max_tokens=96",
+         "algorithm.prompts_per_iteration=2", "algorithm.group_size=2", "trainer.iterations=2",
+         "env.factory_kwargs={attempts: 2, latency: {median_s: 0.2, p99_s: 3.0, scale: 0.05}}"]
+QUICK_WARM = dict(episodes=16, steps=4, batch=4, lr=1e-3)
+
+
+def latency_override(cfg: RunConfig, p99: float) -> str:
+    kwargs = {**cfg.env.factory_kwargs, "latency": {**cfg.env.factory_kwargs.get("latency", {}), "p99_s": p99}}
+    return f"env.factory_kwargs={kwargs}"
+
+
+def expression(question: str) -> str:
+    """basic_arithmetic's 'Calculate 95 - 21.' -> '95 - 21'."""
+    return question.removeprefix("Calculate ").rstrip(". ")
+
+
+def warm_start(cfg: RunConfig, out: Path, episodes: int, steps: int, batch: int, lr: float) -> Path:
+    """The tool-calling warm start (module docstring, step 1), saved as a model directory in `out`."""
+    policy, tok = load_policy(cfg.model)
+    fmt, schemas, eos = PlainTextFormat(tok), Environments(CalculatorEnv).schemas(), [tok.eos_token_id]
+    pairs = []
+    for e in load_examples(cfg.data, "train")[:episodes]:
+        expr = expression(e.question)
+        prompt = fmt.prompt_ids(prompt_messages(e, [], cfg.data), schemas)
+        call = tok(format_call("calculator", {"expression": expr}), add_special_tokens=False).input_ids + eos
+        tool = fmt.env_ids(fmt.answer_messages([("calculator", format_number(evaluate(expr)))]), "calculator")
+        answer = tok(f"<answer>{e.answer}</answer>", add_special_tokens=False).input_ids + eos
+        pairs += [(prompt, call), (prompt + call + tool, answer)]
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.01)
+    rng = torch.Generator().manual_seed(cfg.model.seed)
+    policy.train()
+    for step in range(steps):
+        chosen = torch.randperm(len(pairs), generator=rng)[:batch].tolist()
+        loss = sft_loss(policy, [pairs[i] for i in chosen], tok.pad_token_id)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 25 == 0 or step == steps - 1:
+            print(f"[multiturn] warm start step {step}: loss {loss.item():.3f}")
+    out.mkdir(parents=True, exist_ok=True)
+    policy.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def tool_use(cfg: RunConfig) -> dict:
+    """Greedy episodes of the held-out questions (no latency): tool-use rate and accuracy."""
+    engine = LocalEngine.from_config(cfg.engine, cfg.model)
+    tok = engine.workers[0].tokenizer
+    evals = load_examples(cfg.data, "eval")
+    specs = [GroupSpec(i, prompt_messages(e, [], cfg.data), episode_row(e), 1, i, f"e{i}") for i, e in enumerate(evals)]
+    limits = EpisodeLimits(cfg.env.max_turns, cfg.env.budget(cfg.engine), cfg.engine.max_tokens)
+    attempts = cfg.env.factory_kwargs.get("attempts", 1)
+    with StreamingContinuer(engine) as continuer:
+        runner = EpisodeRunner(tok, continuer, Environments(CalculatorEnv.factory(attempts=attempts)),
+                               SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=0.0), limits, "plain")
+        episodes = [eps[0] for eps in asyncio.run(runner.run_groups(specs)).values()]
+    n = len(episodes)
+    return {"tool_use_rate": round(sum(ep.tool_calls > 0 for ep in episodes) / n, 4),
+            "accuracy": round(sum(ep.env_reward or 0.0 for ep in episodes) / n, 4), "n": n}
+
+
+def main(argv=None) -> list[dict]:
+    ap = experiment_parser(__doc__, runs="runs/multiturn", repeats=(3, 1), overrides=True)
+    ap.add_argument("--spreads", default=",".join(map(str, SPREADS)), help="p99 latencies in seconds (median 0.2)")
+    args = ap.parse_args(argv)
+    config, results, runs = HERE / "multiturn.yaml", Path(args.results), Path(args.runs)
+    spreads = [SPREADS[-1]] if args.quick else [float(s) for s in args.spreads.split(",")]
+    base_overrides = (QUICK if args.quick else []) + args.overrides
+    base = load_config(RunConfig, config, base_overrides)
+    from periodic_async.model import PRESETS
+
+    if base.model.name_or_path not in PRESETS and not Path(base.model.name_or_path).is_dir():
+        sys.exit(f"[multiturn] {base.model.name_or_path} not found: "
+                 "python -m periodic_async prepare-model smollm2-135m")
+    warm_args = QUICK_WARM if args.quick else dict(episodes=WARM_EPISODES, steps=WARM_STEPS, batch=WARM_BATCH,
+                                                   lr=WARM_LR)
+    warm = warm_start(base, runs / "warm_start", **warm_args)
+    warm_cfg = dataclasses.replace(base, model=dataclasses.replace(base.model, name_or_path=str(warm)))
+    warm_rows = [{"model": name, **tool_use(c)} for name, c in (("base", base), ("warm", warm_cfg))]
+    write_csv(results / "multiturn_warm_start.csv", warm_rows)
+    print(f"[multiturn] tool-use rate {warm_rows[0]['tool_use_rate']} -> {warm_rows[1]['tool_use_rate']}")
+
+    engines = SharedEngines()
+
+    def system(name: str, mode: str, more: list[str]) -> System:
+        cfg = load_config(RunConfig, config, base_overrides + [f"model.name_or_path={warm}", f"pipeline.mode={mode}",
+                                                               f"trainer.output_dir={runs}/{name}"] + more)
+        return System(name, lambda: run(cfg, engine=engines.get(cfg)), cfg)
+
+    systems = [system(f"p99={p99}/{mode}", mode, [latency_override(base, p99)]) for p99 in spreads for mode in MODES]
+    widest = spreads[-1]
+    systems += [system(f"single-turn/{mode}", mode, ["env.factory="]) for mode in MODES[:2]]
+    try:
+        res = measure(systems, repeats=args.repeats)
+    finally:
+        engines.close()
+    single = res["single-turn/periodic-async"].ratio(res["single-turn/sync-separated"]).median
+    rows = []
+    for p99 in spreads:
+        sync = res[f"p99={p99}/sync-separated"]
+        bound = overlap_bound(sync.stats("mean_generate_s").median, sync.stats("mean_train_s").median)
+        for mode in MODES:
+            r = res[f"p99={p99}/{mode}"]
+            paired = r.ratio(sync)
+            row = {"p99_s": p99, "mode": mode, **r.row(["tokens_per_s"], 1),
+                   "speedup_vs_sync_separated": round(paired.median, 3), "speedup_min": round(paired.min, 3),
+                   "speedup_max": round(paired.max, 3), "bound": round(bound, 3),
+                   "efficiency": round(paired.median / bound, 3) if mode != "sync-separated" else "",
+                   **{k: round(r.stats(k).median, 3) for k in ("mean_iteration_s", "mean_generate_s", "mean_train_s")}}
+            if p99 == widest and mode == "periodic-async":
+                row.update(single_turn_speedup=round(single, 3), target_met=paired.median >= single)
+            rows.append({**row, **r.provenance()})
+    write_csv(results / "multiturn.csv", rows)
+    curve = []
+    for mode in MODES:
+        for m in read_jsonl(runs / f"p99={widest}" / mode / "metrics.jsonl"):
+            if "episode/tool_use_rate" in m:
+                curve.append({"mode": mode, "iteration": m["step"] - 1, "reward_mean": round(m["reward/mean"], 4),
+                              "accuracy": round(m["accuracy"], 4),
+                              "tool_use_rate": round(m["episode/tool_use_rate"], 4)})
+    write_csv(results / "multiturn_curve.csv", curve)
+    for r in rows:
+        print(f"[multiturn] p99 {r['p99_s']:>4} s {r['mode']:16s} {r['tokens_per_s']:8.1f} tokens/s "
+              f"x{r['speedup_vs_sync_separated']:.2f} (bound {r['bound']:.2f})")
+    print(f"[multiturn] single-turn speedup x{single:.2f}; wrote {results}/multiturn*.csv")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
