@@ -49,15 +49,12 @@ if [ -n "${ONLY:-}" ]; then
   EXPERIMENTS=("${chosen[@]}")
 fi
 source scripts/setup_env.sh
-# A smoke run takes two lanes, each running its experiments one after another. They are split so
-# that both take about as long (measured in a two-lane smoke run at af62326 on a 2-core AVX-512 AMD
-# EPYC, in seconds: reward_curves_real 175, trl_dropin 130, table2_throughput 98, engine_throughput
-# 69, equivalence 66, scaling 61, async_speedup 38, soak 36, shared_async 28, reward_curves 27,
-# fig1_timeline 22, warm_start 17, shared_prompt_ablation 13, trimodel_cost 9). The second lane
-# takes the rest in EXPERIMENTS' order, warm_start first: its model (artifacts/sft-quick) is what
-# equivalence and fig1_timeline load. In a smoke run reward_curves_real and trl_dropin load
-# SmolLM2-135M (lora too): all in the first lane, so no two SmolLM2 experiments run side by side.
-FIRST_LANE=(reward_curves_real trl_dropin lora engine_throughput shared_prompt_ablation)
+# A smoke run takes two lanes, each running its experiments one after another, split so that both
+# take about as long (each experiment's time: $RESULTS_DIR/run_all_times.csv). The second lane takes
+# the rest in EXPERIMENTS' order, warm_start first: its model (artifacts/sft-quick) is what
+# reward_curves, equivalence and fig1_timeline load. In a smoke run only reward_curves_real and lora
+# load SmolLM2-135M: both in the first lane, so no two SmolLM2 experiments run side by side.
+FIRST_LANE=(reward_curves_real lora table2_throughput engine_throughput shared_prompt_ablation trimodel_cost)
 # Two lanes only for a smoke run: the full run measures times, and two experiments side by side
 # would share the cores (and its SmolLM2 experiments would run beside each other).
 LANES="${LANES:-$([ "${QUICK:-0}" != 0 ] && echo 2 || echo 1)}"
