@@ -135,6 +135,22 @@ def save_preset(out, preset: str, tokenizer_dir):
     return out
 
 
+def teach(policy, batch: list, pad_id: int, steps: int) -> None:
+    """A few Adam steps (lr 1e-2, seed 0) of the sft loss on `batch` ([(prompt ids, target ids)]):
+    enough for a tiny random model to write the given tool calls and answers."""
+    import torch
+
+    from periodic_async.sft import sft_loss
+
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        loss = sft_loss(policy, batch, pad_id)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 def save_tiny_llama(path, tokenizer):
     """A tiny Llama (hidden 64, 2 layers, head size 32, tied embeddings, weights std 0.15 so that its
     distributions are far from uniform, seed 0) and `tokenizer`, saved with save_pretrained in `path`:

@@ -23,6 +23,7 @@ from periodic_async.episode.formats import PlainTextFormat, format_call
 from periodic_async.episode.record import ENV, MODEL, Episode, Turn
 from periodic_async.model import build_model
 from periodic_async.shared_prompt import pack, token_logprobs
+from helpers import teach
 
 QUESTION = [{"role": "user", "content": "What is 3+4?"}]
 ROW = {"question": "3+4", "answer": "7"}
@@ -279,7 +280,6 @@ def caller(tokenizer_dir):
     <tool_call>calculator(expression='3+4')</tool_call> whatever the tools shown, and after the
     answer 7 to write <answer>7</answer>; its engine."""
     from periodic_async.model import load_policy
-    from periodic_async.sft import sft_loss
 
     policy, tok = load_policy(ModelConfig(name_or_path="qwen2-micro", tokenizer=str(tokenizer_dir), device="cpu"))
     fmt = PlainTextFormat(tok)
@@ -290,13 +290,7 @@ def caller(tokenizer_dir):
     answer = tok("<answer>7</answer>", add_special_tokens=False).input_ids + eos
     tool_turn = fmt.env_ids(fmt.answer_messages([("calculator", "7")]))
     batch = [(p, call) for p in prompts] + [(prompts[0] + call + tool_turn, answer)]
-    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
-    torch.manual_seed(0)
-    for _ in range(60):
-        loss = sft_loss(policy, batch, tok.pad_token_id)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    teach(policy, batch, tok.pad_token_id, steps=60)
     return LocalEngine(policy.eval(), tok, max_num_seqs=4), tok
 
 

@@ -14,7 +14,7 @@ import torch
 from periodic_async import GRPOConfig, GRPOTrainer
 from periodic_async.config import ConfigError
 from periodic_async.data import DataError
-from helpers import save_preset
+from helpers import save_preset, teach
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -313,7 +313,6 @@ def tool_model_dir(tmp_path_factory, tokenizer_dir):
     from periodic_async.episode import Environments
     from periodic_async.episode.formats import TemplateFormat
     from periodic_async.model import build_model
-    from periodic_async.sft import sft_loss
 
     tok = load_tokenizer(tokenizer_dir)
     tok.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
@@ -327,13 +326,7 @@ def tool_model_dir(tmp_path_factory, tokenizer_dir):
     prompts = [fmt.prompt_ids(row["prompt"], schemas) for row in _tool_dataset()]
     tool_turn = fmt.env_ids(fmt.answer_messages([("multiply", "12")]), "multiply")
     batch = [(p, call) for p in prompts] + [(prompts[0] + call + tool_turn, answer)]
-    opt = torch.optim.Adam(policy.parameters(), lr=1e-2)
-    torch.manual_seed(0)
-    for _ in range(100):
-        loss = sft_loss(policy, batch, tok.pad_token_id)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    teach(policy, batch, tok.pad_token_id, steps=100)
     out = tmp_path_factory.mktemp("tool-model")
     policy.save_pretrained(out)
     tok.save_pretrained(out)
