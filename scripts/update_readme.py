@@ -149,6 +149,10 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                            "mode eval_accuracy_start eval_accuracy_end eval_stderr eval_n gain gain_stderr_paired "
                            "max_abs_diff_vs_sync max_abs_diff_reward max_abs_diff_eval tokens_identical_iterations "
                            "tokens_per_s wall_s"),
+    "reward_curves_tasks": ("reward_curves_tasks_summary.csv", "experiments/reward_curves_tasks.sh",
+                            "task mode base_accuracy warm_start_accuracy eval_accuracy_end eval_stderr_end eval_n "
+                            "iterations gain gain_stderr_paired ci95_low ci95_high max_abs_diff_vs_sync "
+                            "mean_iteration_s mean_drawn mean_filtered cap_reached_iterations"),
     "reward_curves_seed1": ("reward_curves_seed1/reward_curves_summary.csv",
                             "experiments/reward_curves.sh data.seed=1 --results results/reward_curves_seed1 "
                             "--figures figures/reward_curves_seed1",

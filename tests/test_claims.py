@@ -97,6 +97,22 @@ def test_asynchrony_is_judged_on_the_median_of_its_runs(tmp_path):
     assert verdict([0.90, 0.85, 0.80], overlapped=1.95)[1] == "**missed** by 0.11 (scale)"  # 2 -> 1.95 -> 1.7
 
 
+def test_task_curves_need_matching_accuracy_and_a_gain_above_zero(tmp_path):
+    """On a reasoning-gym task, periodic-async's end accuracy within two of sync-separated's standard
+    errors and its gain's 95% interval above zero: an interval touching zero is missed, one above it
+    met, and an end accuracy three standard errors from sync's is missed whatever the gain."""
+    results = _results(tmp_path)
+    path, pa = results / "reward_curves_tasks_summary.csv", {"task": "basic_arithmetic", "mode": "periodic-async"}
+    _patch(path, pa, gain=0.04, ci95_low=0.0, ci95_high=0.08)
+    assert _verdict("tasks", results)[1] == "**missed** by 0.000 (learning)"
+    _patch(path, pa, ci95_low=0.01)
+    headline, verdict = _verdict("tasks", results)
+    assert verdict == "**met**" and headline == "+4.0 points on basic_arithmetic (95% CI +1.0 to +8.0)"
+    sync = next(r for r in read_csv(path) if r["mode"] == "sync-separated")
+    _patch(path, pa, eval_accuracy_end=float(sync["eval_accuracy_end"]) + 3 * float(sync["eval_stderr_end"]))
+    assert _verdict("tasks", results)[1].startswith("**missed**")
+
+
 def test_lora_within_noise_until_its_spread_misses(tmp_path):
     results = _results(tmp_path)
     local = {"engine": "local", "mode": "lora"}

@@ -501,6 +501,23 @@ def slowest_tests(rows: Rows, n: int = 10) -> list[dict]:
              "starts": ", ".join(f"{k}={r[k]}" for k in starts if r[k] != "0") or "-"} for r in rows[:n]]
 
 
+def task_curves(summary: Rows) -> list[dict]:
+    """The reasoning-gym learning runs (reward_curves_tasks_summary.csv): per task (key TASK) its
+    sync-separated and periodic-async rows' end accuracies, periodic-async's `gap` to sync-separated
+    and the `slack` of two of sync's standard errors, its gain and 95% interval, and the warm start."""
+    out = []
+    for task in dict.fromkeys(r["task"] for r in summary):
+        rows = {r["mode"]: r for r in summary if r["task"] == task}
+        sync, pa = rows["sync-separated"], rows["periodic-async"]
+        out.append({"key": task, "sync_end": _f(sync["eval_accuracy_end"]), "pa_end": _f(pa["eval_accuracy_end"]),
+                    "gap": abs(_f(pa["eval_accuracy_end"]) - _f(sync["eval_accuracy_end"])),
+                    "slack": 2 * _f(sync["eval_stderr_end"]), "gain": _f(pa["gain"]),
+                    "ci95_low": _f(pa["ci95_low"]), "ci95_high": _f(pa["ci95_high"]),
+                    "warm_start": _f(pa["warm_start_accuracy"]), "base": _f(pa["base_accuracy"]),
+                    "eval_n": pa["eval_n"], "iterations": pa["iterations"]})
+    return out
+
+
 def engine_speed(rows: Rows) -> list[dict]:
     """vLLM's generation speed over the built-in engine per model (key): the range over engine.csv's rows."""
     ratios: dict[str, list[float]] = {}
@@ -526,6 +543,7 @@ SUMMARIES: dict[str, tuple[Callable[..., list[dict]], tuple[tuple[str, ...], ...
                             ("reward_curves_seed1/reward_curves.csv",))),
     "rcr": (functools.partial(reward_curves, n=5), (("reward_curves_real_summary.csv",), ("reward_curves_real.csv",))),
     "rct": (reward_curves, (("reward_curves_real_time_summary.csv",),)),
+    "tasks": (task_curves, (("reward_curves_tasks_summary.csv",),)),
     "eq": (equivalence, (("equivalence.csv",),)),
     "sa": (shared_async, (("shared_async.csv",),)),
     "sar": (shared_async, (("shared_async_real.csv",),)),
