@@ -54,7 +54,7 @@ source scripts/setup_env.sh
 # the rest in EXPERIMENTS' order, warm_start first: its model (artifacts/sft-quick) is what
 # reward_curves, equivalence and fig1_timeline load. In a smoke run only reward_curves_real and lora
 # load SmolLM2-135M: both in the first lane, so no two SmolLM2 experiments run side by side.
-FIRST_LANE=(reward_curves_real lora table2_throughput engine_throughput shared_prompt_ablation trimodel_cost)
+FIRST_LANE=(reward_curves_real lora engine_throughput shared_prompt_ablation trimodel_cost)
 # Two lanes only for a smoke run: the full run measures times, and two experiments side by side
 # would share the cores (and its SmolLM2 experiments would run beside each other).
 LANES="${LANES:-$([ "${QUICK:-0}" != 0 ] && echo 2 || echo 1)}"
