@@ -160,6 +160,7 @@ class Hanging:
 
 
 @pytest.mark.parametrize("env, words", [
+    pytest.param(*case, id=f"case{i}") for i, case in enumerate([
     ({"env.factory": f"{HERE}:NoReset"}, "environment_factory: NoReset has no reset() method"),
     ({"env.tools": f"[{HERE}:undocumented]"}, "tool undocumented: "),
     ({"env.tools": f"[{HERE}:numeric]"}, "tool numeric: returns int (its annotation); a tool answers the model with "
@@ -168,7 +169,7 @@ class Hanging:
                                                  "row has no 'environment' column"),
     ({"env.tools": f"[{HERE}:multiply]", "env.tool_format": "template"}, "the chat template cannot render tools"),
     ({"env.factory": f"{HERE}:nothing"}, f"env.factory '{HERE}:nothing': "),
-])
+])])  # ids without this machine's paths
 def test_bad_input_is_one_line(tokenizer_dir, tmp_path, capsys, monkeypatch, env, words):
     """An environment without reset, a tool without a docstring, a tool annotated to return a
     non-string, a dict factory whose rows have no `environment` column, a chat template that cannot
