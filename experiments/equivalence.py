@@ -17,6 +17,11 @@ seed in float64 (the paper, Sec. method point 4), and the negative control that 
     real-model-lora, real-model-lora-two-steps   the same two with LoRA adapters (rank 16 on every
                  projection, lr 1e-4): the engines serve each pushed adapter (vLLM's LoRA requests on
                  the Ray worker); the weights compared are the merged checkpoints.
+    episodes, real-model-episodes   `equivalent` and `real-model` on multi-turn episodes: a verifier
+                 (episode/envs.py CalculatorEnv, 3 attempts) answers every wrong reply after a
+                 random but reproducible wait, so groups finish in another order than they were
+                 drawn; each later turn continues the episode's ids on the engine. Samples compare
+                 whole episodes (model and environment ids).
 The runs stop after every iteration and resume from their checkpoint (resuming continues the
 same trajectory: tests/test_pipeline.py), so the weights are compared after each iteration.
 The control uses the in-process engine, whose lock-step workers give a completion order that
@@ -46,11 +51,15 @@ REAL_MODEL = ["model.name_or_path=artifacts/smollm2-135m-instruct", "model.dtype
               "algorithm.group_size=4", "algorithm.prompts_per_iteration=4", "engine.max_tokens=32",
               "engine.max_num_seqs=8", "algorithm.micro_batch_tokens=512", "trainer.iterations=3"]
 LORA = ["model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=32", "algorithm.lr=1e-4"]
+EPISODES = ["env.factory=periodic_async.episode.envs:CalculatorEnv", "env.tool_format=plain", "env.max_turns=3",
+            "env.factory_kwargs={attempts: 3, latency: {median_s: 0.2, p99_s: 3.0, scale: 0.1, seed: 1}}"]
 CASES = {"equivalent": ([], "ray"), "two-steps": (["algorithm.optimizer_steps_per_iteration=2"], "local"),
          "real-model": (REAL_MODEL, "ray"),
          "real-model-two-steps": (REAL_MODEL + ["algorithm.optimizer_steps_per_iteration=2"], "local"),
          "real-model-lora": (REAL_MODEL + LORA, "ray"),
-         "real-model-lora-two-steps": (REAL_MODEL + LORA + ["algorithm.optimizer_steps_per_iteration=2"], "local")}
+         "real-model-lora-two-steps": (REAL_MODEL + LORA + ["algorithm.optimizer_steps_per_iteration=2"], "local"),
+         "episodes": (EPISODES + ["env.max_tokens=160"], "ray"),
+         "real-model-episodes": (REAL_MODEL + EPISODES + ["env.max_tokens=192"], "ray")}
 COLUMNS = ["case", "iteration", "samples", "identical_samples", "identical_fraction", "max_abs_weight_diff",
            "max_abs_weight_change", "trained_in_other_order", "git_commit", "cpu"]
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -51,13 +52,12 @@ from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.protocol import SharedEngines, System, measure
 from periodic_async.config import RunConfig, load_config
 from periodic_async.data import load_examples, prompt_messages
-from periodic_async.engine import SamplingParams
-from periodic_async.engine.local import LocalEngine
+from periodic_async.engine import SamplingParams, make_engine, resolve_worker_backend
 from periodic_async.episode import (EpisodeLimits, EpisodeRunner, GroupSpec, PlainTextFormat, StreamingContinuer,
                                     format_call)
 from periodic_async.episode.envs import CalculatorEnv, evaluate, format_number
 from periodic_async.episode.protocol import Environments
-from periodic_async.model import load_policy
+from periodic_async.model import load_policy, policy_tokenizer
 from periodic_async.pipeline import run
 from periodic_async.producer import episode_row
 from periodic_async.records import write_csv
@@ -68,7 +68,7 @@ HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async", "sync-colocated", "async-offpolicy"]
 SPREADS = [0.2, 1.0, 3.0]
 """p99 of the tool's and the verifier's latency in seconds (median 0.2 s): no spread, some, a code sandbox's."""
-WARM_EPISODES, WARM_STEPS, WARM_BATCH, WARM_LR = 300, 150, 8, 3e-5
+WARM_EPISODES, WARM_STEPS, WARM_BATCH, WARM_LR = 200, 50, 4, 1e-4
 QUICK = ["model.name_or_path=qwen2-1m", "model.tokenizer=artifacts/tokenizer", "engine.backend=local",
          "data.num_train=64", "data.num_eval=4", "engine.max_tokens=16", "env.max_tokens=96",
          "algorithm.prompts_per_iteration=2", "algorithm.group_size=2", "trainer.iterations=2",
@@ -87,43 +87,52 @@ def expression(question: str) -> str:
 
 
 def warm_start(cfg: RunConfig, out: Path, episodes: int, steps: int, batch: int, lr: float) -> Path:
-    """The tool-calling warm start (module docstring, step 1), saved as a model directory in `out`."""
+    """The tool-calling warm start (module docstring, step 1), saved as a model directory in `out`
+    (reused when `out` holds one made with the same settings)."""
+    settings = {"model": cfg.model.name_or_path, "data": dataclasses.asdict(cfg.data), "episodes": episodes,
+                "steps": steps, "batch": batch, "lr": lr}
+    stamp = out / "warm_start.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == settings:
+        print(f"[multiturn] warm start: reusing {out}")
+        return out
     policy, tok = load_policy(cfg.model)
     fmt, schemas, eos = PlainTextFormat(tok), Environments(CalculatorEnv).schemas(), [tok.eos_token_id]
-    pairs = []
+    items = []  # (prompt, the episode after it, its mask: the model's turns learnt, the tool's answer not)
     for e in load_examples(cfg.data, "train")[:episodes]:
         expr = expression(e.question)
         prompt = fmt.prompt_ids(prompt_messages(e, [], cfg.data), schemas)
         call = tok(format_call("calculator", {"expression": expr}), add_special_tokens=False).input_ids + eos
         tool = fmt.env_ids(fmt.answer_messages([("calculator", format_number(evaluate(expr)))]), "calculator")
         answer = tok(f"<answer>{e.answer}</answer>", add_special_tokens=False).input_ids + eos
-        pairs += [(prompt, call), (prompt + call + tool, answer)]
+        items.append((prompt, call + tool + answer, [1] * len(call) + [0] * len(tool) + [1] * len(answer)))
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.01)
     rng = torch.Generator().manual_seed(cfg.model.seed)
     policy.train()
     for step in range(steps):
-        chosen = torch.randperm(len(pairs), generator=rng)[:batch].tolist()
-        loss = sft_loss(policy, [pairs[i] for i in chosen], tok.pad_token_id)
+        chosen = [items[i] for i in torch.randperm(len(items), generator=rng)[:batch].tolist()]
+        loss = sft_loss(policy, [(p, t) for p, t, _ in chosen], tok.pad_token_id, [m for _, _, m in chosen])
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % 25 == 0 or step == steps - 1:
+        if step % 10 == 0 or step == steps - 1:
             print(f"[multiturn] warm start step {step}: loss {loss.item():.3f}")
     out.mkdir(parents=True, exist_ok=True)
     policy.save_pretrained(out)
     tok.save_pretrained(out)
+    stamp.write_text(json.dumps(settings))
     return out
 
 
 def tool_use(cfg: RunConfig) -> dict:
-    """Greedy episodes of the held-out questions (no latency): tool-use rate and accuracy."""
-    engine = LocalEngine.from_config(cfg.engine, cfg.model)
-    tok = engine.workers[0].tokenizer
+    """Greedy episodes of the held-out questions (no latency), on an in-process engine (vLLM where
+    the run's workers would be vLLM, else the built-in one): tool-use rate and accuracy."""
+    backend = "vllm" if resolve_worker_backend(cfg.engine, cfg.model) == "vllm" else "local"
     evals = load_examples(cfg.data, "eval")
     specs = [GroupSpec(i, prompt_messages(e, [], cfg.data), episode_row(e), 1, i, f"e{i}") for i, e in enumerate(evals)]
     limits = EpisodeLimits(cfg.env.max_turns, cfg.env.budget(cfg.engine), cfg.engine.max_tokens)
     attempts = cfg.env.factory_kwargs.get("attempts", 1)
-    with StreamingContinuer(engine) as continuer:
+    with make_engine(cfg.engine, cfg.model, backend=backend) as engine, StreamingContinuer(engine) as continuer:
+        tok = policy_tokenizer(cfg.model)
         runner = EpisodeRunner(tok, continuer, Environments(CalculatorEnv.factory(attempts=attempts)),
                                SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=0.0), limits, "plain")
         episodes = [eps[0] for eps in asyncio.run(runner.run_groups(specs)).values()]

@@ -158,15 +158,19 @@ def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     path = resolve_model_path(cfg.name_or_path)  # before a tokenizer is built for a model that is not there
     if path != cfg.name_or_path:
         cfg = dataclasses.replace(cfg, name_or_path=path)
-    model_dir = Path(path)
-    if model_dir.is_dir() and (model_dir / "tokenizer_config.json").is_file():
-        tokenizer = load_tokenizer(model_dir)
-    else:
-        tokenizer = ensure_tokenizer(cfg.tokenizer)
+    tokenizer = policy_tokenizer(cfg)
     model = build_model(cfg, tokenizer)
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora, seed=cfg.seed)
     return model, tokenizer
+
+
+def policy_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer `load_policy` gives: a model directory's own, else `cfg.tokenizer`."""
+    model_dir = Path(resolve_model_path(cfg.name_or_path))
+    if model_dir.is_dir() and (model_dir / "tokenizer_config.json").is_file():
+        return load_tokenizer(model_dir)
+    return ensure_tokenizer(cfg.tokenizer)
 
 
 @contextlib.contextmanager

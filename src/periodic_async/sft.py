@@ -43,8 +43,11 @@ def tokenize_sft(tokenizer, examples, shots, data=None) -> list[tuple[list[int],
     return out
 
 
-def sft_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int) -> torch.Tensor:
-    """Mean next-token cross-entropy over the target tokens of a right-padded batch."""
+def sft_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int,
+             masks: list[list[int]] | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy over the target tokens of a right-padded batch. `masks`, one
+    per item and as long as its target: 1 where a target token is learnt, 0 where it is context
+    only (an environment's turn inside an episode)."""
     device = next(model.parameters()).device
     width = max(len(p) + len(t) for p, t in batch)
     ids_BxL = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -53,7 +56,7 @@ def sft_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int) -> to
     for b, (p, t) in enumerate(batch):
         n = len(p) + len(t)
         ids_BxL[b, :n] = torch.tensor(p + t)
-        labels_BxL[b, len(p):n] = torch.tensor(t)
+        labels_BxL[b, len(p):n] = torch.tensor(t if masks is None else [x if k else -100 for x, k in zip(t, masks[b])])
         mask_BxL[b, :n] = 1
     logits_BxLxV = model(input_ids=ids_BxL.to(device), attention_mask=mask_BxL.to(device)).logits
     return torch.nn.functional.cross_entropy(
