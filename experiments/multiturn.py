@@ -68,7 +68,7 @@ HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async", "sync-colocated", "async-offpolicy"]
 SPREADS = [0.2, 1.0, 3.0]
 """p99 of the tool's and the verifier's latency in seconds (median 0.2 s): no spread, some, a code sandbox's."""
-WARM_EPISODES, WARM_STEPS, WARM_BATCH, WARM_LR = 200, 50, 4, 1e-4
+WARM_EPISODES, WARM_STEPS, WARM_BATCH, WARM_LR = 100, 25, 4, 1e-4
 QUICK = ["model.name_or_path=qwen2-1m", "model.tokenizer=artifacts/tokenizer", "engine.backend=local",
          "data.num_train=64", "data.num_eval=4", "engine.max_tokens=16", "env.max_tokens=96",
          "algorithm.prompts_per_iteration=2", "algorithm.group_size=2", "trainer.iterations=2",
