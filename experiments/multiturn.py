@@ -13,11 +13,13 @@ episode, not only once the model calls the tool. Each call waits a lognormal tim
 99th percentile `--spreads` (seconds; 0.2 = no spread), drawn from the call's content (a rerun
 waits the same). The calls use the plain-text format (SmolLM2's template renders no tools).
 
-1. Warm start. A 135M model calls no tool it has not seen. It is trained (the `sft` loss,
-   sft.sft_loss) on `WARM_EPISODES` tool-calling episodes written with `format_call`: the prompt
-   with the tool listed, the call `<tool_call>calculator(expression="...")</tool_call>`, the tool's
-   answer, then `<answer>...</answer>`. The tool-use rate and the accuracy of greedy episodes on the
-   held-out questions, before and after, go to <results>/multiturn_warm_start.csv.
+1. Warm start. A 135M model calls no tool it has not seen. The `sft` command trains it
+   (sft.episodes) on `WARM_EPISODES` tool-calling episodes written in TRL's conversational format
+   (<runs>/warm_episodes.jsonl): the prompt with the tool listed, the call (rendered as
+   `<tool_call>calculator(expression="...")</tool_call>`), the tool's answer, then
+   `<answer>...</answer>`; the model's two turns are learnt, the tool's answer is context. The
+   tool-use rate and the accuracy of greedy episodes on the held-out questions, before and
+   after, go to <results>/multiturn_warm_start.csv.
 2. The systems, from the warm start, per spread: sync-separated, periodic-async, sync-colocated
    and async-offpolicy, interleaved, `--repeats` rounds (bench/protocol.py: medians, min, max,
    paired ratios). At the widest spread also sync-separated and periodic-async without the
@@ -35,6 +37,7 @@ Writes
       repeats, git_commit, config_hash, settings
   <results>/multiturn_curve.csv       mode, iteration, reward_mean, accuracy, tool_use_rate
   <results>/multiturn_warm_start.csv  model (base, warm), tool_use_rate, accuracy, n
+  <figures>/multiturn.png             plots.plot_multiturn (notebooks/multiturn.ipynb draws it again)
 """
 
 from __future__ import annotations
@@ -45,30 +48,29 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 from periodic_async.bench.analysis import overlap_bound
 from periodic_async.bench.cli import experiment_parser
+from periodic_async.bench.plots import plot_multiturn
 from periodic_async.bench.protocol import SharedEngines, System, measure
-from periodic_async.config import RunConfig, load_config
+from periodic_async.config import RunConfig, SFTConfig, SFTRunConfig, load_config
 from periodic_async.data import load_examples, prompt_messages
 from periodic_async.engine import SamplingParams, make_engine, resolve_worker_backend
-from periodic_async.episode import (EpisodeLimits, EpisodeRunner, GroupSpec, PlainTextFormat, StreamingContinuer,
-                                    format_call)
+from periodic_async.episode import EpisodeLimits, EpisodeRunner, GroupSpec, StreamingContinuer
 from periodic_async.episode.envs import CalculatorEnv, evaluate, format_number
 from periodic_async.episode.protocol import Environments
-from periodic_async.model import load_policy, policy_tokenizer
+from periodic_async.model import policy_tokenizer
 from periodic_async.pipeline import run
 from periodic_async.producer import episode_row
 from periodic_async.records import write_csv
-from periodic_async.sft import sft_loss
-from periodic_async.trace import read_jsonl
+from periodic_async.sft import run_sft
+from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async", "sync-colocated", "async-offpolicy"]
 SPREADS = [0.2, 1.0, 3.0]
 """p99 of the tool's and the verifier's latency in seconds (median 0.2 s): no spread, some, a code sandbox's."""
-WARM_EPISODES, WARM_STEPS, WARM_BATCH, WARM_LR = 100, 25, 4, 1e-4
+WARM_EPISODES, WARM_STEPS, WARM_BATCH, WARM_LR, WARM_WARMUP = 100, 25, 4, 2e-4, 3
 QUICK = ["model.name_or_path=qwen2-1m", "model.tokenizer=artifacts/tokenizer", "engine.backend=local",
          "data.num_train=64", "data.num_eval=4", "engine.max_tokens=16", "env.max_tokens=96",
          "algorithm.prompts_per_iteration=2", "algorithm.group_size=2", "trainer.iterations=2",
@@ -86,39 +88,34 @@ def expression(question: str) -> str:
     return question.removeprefix("Calculate ").rstrip(". ")
 
 
+def warm_episodes(cfg: RunConfig, path: Path, episodes: int) -> Path:
+    """The warm start's episodes in TRL's conversational format (module docstring, step 1), as JSONL."""
+    rows = []
+    for e in load_examples(cfg.data, "train")[:episodes]:
+        expr = expression(e.question)
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}
+        rows.append({"messages": prompt_messages(e, [], cfg.data) + [
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calculator", "content": format_number(evaluate(expr))},
+            {"role": "assistant", "content": f"<answer>{e.answer}</answer>"}]})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def warm_start(cfg: RunConfig, out: Path, episodes: int, steps: int, batch: int, lr: float) -> Path:
-    """The tool-calling warm start (module docstring, step 1), saved as a model directory in `out`
-    (reused when `out` holds one made with the same settings)."""
+    """The tool-calling warm start: the `sft` command on `warm_episodes` (sft.episodes), saved as a
+    model directory in `out`, reused when `out` holds one made with the same settings."""
     settings = {"model": cfg.model.name_or_path, "data": dataclasses.asdict(cfg.data), "episodes": episodes,
                 "steps": steps, "batch": batch, "lr": lr}
     stamp = out / "warm_start.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == settings:
         print(f"[multiturn] warm start: reusing {out}")
         return out
-    policy, tok = load_policy(cfg.model)
-    fmt, schemas, eos = PlainTextFormat(tok), Environments(CalculatorEnv).schemas(), [tok.eos_token_id]
-    items = []  # (prompt, the episode after it, its mask: the model's turns learnt, the tool's answer not)
-    for e in load_examples(cfg.data, "train")[:episodes]:
-        expr = expression(e.question)
-        prompt = fmt.prompt_ids(prompt_messages(e, [], cfg.data), schemas)
-        call = tok(format_call("calculator", {"expression": expr}), add_special_tokens=False).input_ids + eos
-        tool = fmt.env_ids(fmt.answer_messages([("calculator", format_number(evaluate(expr)))]), "calculator")
-        answer = tok(f"<answer>{e.answer}</answer>", add_special_tokens=False).input_ids + eos
-        items.append((prompt, call + tool + answer, [1] * len(call) + [0] * len(tool) + [1] * len(answer)))
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.01)
-    rng = torch.Generator().manual_seed(cfg.model.seed)
-    policy.train()
-    for step in range(steps):
-        chosen = [items[i] for i in torch.randperm(len(items), generator=rng)[:batch].tolist()]
-        loss = sft_loss(policy, [(p, t) for p, t, _ in chosen], tok.pad_token_id, [m for _, _, m in chosen])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 10 == 0 or step == steps - 1:
-            print(f"[multiturn] warm start step {step}: loss {loss.item():.3f}")
-    out.mkdir(parents=True, exist_ok=True)
-    policy.save_pretrained(out)
-    tok.save_pretrained(out)
+    data = warm_episodes(cfg, out.parent / "warm_episodes.jsonl", episodes)
+    run_sft(SFTRunConfig(model=cfg.model, data=cfg.data, env=cfg.env, logging=cfg.logging, sft=SFTConfig(
+        episodes=str(data), max_steps=steps, batch_size=batch, lr=lr, warmup_steps=WARM_WARMUP, max_minutes=60,
+        output_dir=str(out))))
     stamp.write_text(json.dumps(settings))
     return out
 
@@ -142,7 +139,7 @@ def tool_use(cfg: RunConfig) -> dict:
 
 
 def main(argv=None) -> list[dict]:
-    ap = experiment_parser(__doc__, runs="runs/multiturn", repeats=(3, 1), overrides=True)
+    ap = experiment_parser(__doc__, runs="runs/multiturn", repeats=(3, 1), figures=True, overrides=True)
     ap.add_argument("--spreads", default=",".join(map(str, SPREADS)), help="p99 latencies in seconds (median 0.2)")
     args = ap.parse_args(argv)
     config, results, runs = HERE / "multiturn.yaml", Path(args.results), Path(args.runs)
@@ -201,6 +198,9 @@ def main(argv=None) -> list[dict]:
                               "accuracy": round(m["accuracy"], 4),
                               "tool_use_rate": round(m["episode/tool_use_rate"], 4)})
     write_csv(results / "multiturn_curve.csv", curve)
+    png = plot_multiturn(results / "multiturn.csv", results / "multiturn_curve.csv",
+                         Path(args.figures) / "multiturn.png")
+    log_experiment("multiturn", [results / f"multiturn{s}.csv" for s in ("", "_curve", "_warm_start")], [png])
     for r in rows:
         print(f"[multiturn] p99 {r['p99_s']:>4} s {r['mode']:16s} {r['tokens_per_s']:8.1f} tokens/s "
               f"x{r['speedup_vs_sync_separated']:.2f} (bound {r['bound']:.2f})")

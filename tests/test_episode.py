@@ -16,10 +16,10 @@ import torch
 from periodic_async.config import ModelConfig
 from periodic_async.engine import Request, SamplingParams
 from periodic_async.engine.local import LocalEngine
-from periodic_async.episode import (Environments, EpisodeError, EpisodeLimits, EpisodeRunner, GroupSpec,
+from periodic_async.episode import (Environments, EpisodeError, EpisodeLimits, EpisodeRunner, GroupSpec, ProtocolError,
                                     StreamingContinuer, WaveContinuer, episode_group, loss_mask_N, turn_seed)
 from periodic_async.episode.envs import CalculatorEnv, Latency
-from periodic_async.episode.formats import PlainTextFormat, format_call
+from periodic_async.episode.formats import PlainTextFormat, encode_conversation, format_call
 from periodic_async.episode.record import ENV, MODEL, Episode, Turn
 from periodic_async.model import build_model
 from periodic_async.shared_prompt import pack, token_logprobs
@@ -377,3 +377,23 @@ def test_environment_failures_during_feedback_and_reset(fp64, tokenizer):
     stopped = [ep for ep in slow if ep.turns[0].finish_reason == "stop"]  # a reply the verifier is asked about
     assert stopped and all(ep.failure == "SlowVerifier.feedback timed out after 0.3 s" for ep in stopped)
     assert all(ep.failure.startswith("SlowVerifier.reset raised KeyError") and not ep.turns for ep in broken)
+
+
+def test_a_recorded_episode_is_encoded_back_from_its_messages(caller):
+    """`encode_conversation` (the supervised warm start's input) turns the prompt and an episode's
+    messages back into the episode's own ids and loss mask, tool turn included; the same episode
+    written as TRL writes it (the call in `tool_calls`, a 'tool' answer) gives the same ids."""
+    _, tok = caller
+    envs = Environments(CalculatorEnv.factory(latency=Latency(scale=0.01)))
+    ep = _tool_episode(caller, envs)
+    fmt, schemas = PlainTextFormat(tok), envs.schemas()
+    prompt, ids, mask = encode_conversation(fmt, QUESTION + ep.messages, schemas)
+    assert prompt == ep.prompt_ids
+    assert (ids, mask) == (ep.completion_ids, ep.loss_mask)
+    assert mask.count(0) == len(ep.turns[1].token_ids) > 0
+    trl = QUESTION + [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "3+4"}'}}]},
+        {"role": "tool", "name": "calculator", "content": "7"}, {"role": "assistant", "content": "<answer>7</answer>"}]
+    assert encode_conversation(fmt, trl, schemas) == (prompt, ids, mask)
+    with pytest.raises(ProtocolError, match="needs its prompt"):
+        encode_conversation(fmt, QUESTION, schemas)

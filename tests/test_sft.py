@@ -1,5 +1,6 @@
 """Supervised warm start: a short run lifts held-out accuracy above the untrained model and
-saves a model directory the RL runs can load."""
+saves a model directory the RL runs can load; on tool episodes (sft.episodes) it teaches the
+call format an RL episode then uses."""
 
 import json
 
@@ -61,3 +62,75 @@ def test_sft_with_lora_saves_the_merged_model_and_its_adapter(tokenizer_dir, tmp
     # 1e-6: PeftModel.from_pretrained builds its LoRA layers in float32 on this float64 base
     assert (a - b).abs().max() < 1e-6, "the merged model scores as base + adapter"
     assert (a - c).abs().max() > 1e-6, "the adapter trained"
+
+
+def _episode(question: str, expression: str, result: str) -> dict:
+    """A finished tool episode in TRL's conversational format."""
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return {"messages": [{"role": "user", "content": question},
+                         {"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "name": "calculator", "content": result},
+                         {"role": "assistant", "content": f"<answer>{result}</answer>"}]}
+
+
+def test_sft_on_tool_episodes_teaches_the_call(tokenizer_dir, tmp_path):
+    """`sft.episodes`: a JSONL of tool episodes trains the model's turns (the tool's answer is
+    context); the warm-started model, run as an RL episode would be (greedy, the calculator
+    environment, the plain-text format), calls the calculator with the taught expression, reads
+    its answer and answers right. The untrained model does not."""
+    import asyncio
+
+    from periodic_async.config import ModelConfig
+    from periodic_async.engine import SamplingParams
+    from periodic_async.engine.local import LocalEngine
+    from periodic_async.episode import EpisodeLimits, EpisodeRunner, GroupSpec, StreamingContinuer
+    from periodic_async.episode.envs import CalculatorEnv, Latency
+    from periodic_async.episode.protocol import Environments
+
+    data = tmp_path / "episodes.jsonl"
+    data.write_text("".join(json.dumps(_episode(q, e, r)) + "\n" for q, e, r in
+                            [("What is 3+4?", "3+4", "7"), ("What is 6*7?", "6*7", "42")]))
+    out = tmp_path / "sft"
+    cfg = load_config(SFTRunConfig, None, [
+        f"model.tokenizer={tokenizer_dir}", "model.name_or_path=qwen2-micro", f"sft.episodes={data}",
+        "env.factory=periodic_async.episode.envs:CalculatorEnv", "env.tool_format=plain", "sft.max_steps=200",
+        "sft.batch_size=2", "sft.lr=1e-2", "sft.warmup_steps=1", "sft.threads=1", f"sft.output_dir={out}",
+        "logging.wandb_mode=disabled"])
+    threads = torch.get_num_threads()
+    try:
+        summary = run_sft(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    assert summary["final_loss"] < 0.05 and summary["eval_n"] == 0
+
+    def episode(model_dir: str):
+        policy, tok = load_policy(ModelConfig(name_or_path=model_dir, tokenizer=str(tokenizer_dir)))
+        envs = Environments(CalculatorEnv.factory(latency=Latency(scale=0.01)))
+        with StreamingContinuer(LocalEngine(policy.eval(), tok, max_num_seqs=2)) as cont:
+            runner = EpisodeRunner(tok, cont, envs, SamplingParams(max_tokens=80, temperature=0.0),
+                                   EpisodeLimits(max_turns=3, max_tokens=300, max_turn_tokens=80), tool_format="plain")
+            spec = GroupSpec(0, [{"role": "user", "content": "What is 6*7?"}], {"answer": "42"}, 1, 0, "t")
+            return asyncio.run(runner.run_group(spec))[0]
+
+    taught = episode(str(out))
+    assert taught.messages[0]["tool_calls"][0]["function"]["arguments"] == {"expression": "6*7"}
+    assert (taught.tool_calls, taught.env_reward) == (1, 1.0)
+    assert episode("qwen2-micro").tool_calls == 0
+
+
+def test_sft_episodes_bad_rows_are_one_line(tokenizer_dir, tmp_path):
+    """A row without `messages`, or a conversation without an assistant turn, names the file and line."""
+    import pytest
+
+    from periodic_async.config import ConfigError
+
+    for row, words in [({"prompt": "x"}, "needs a 'messages' list"),
+                       ({"messages": [{"role": "user", "content": "x"}]}, "needs its prompt")]:
+        data = tmp_path / "episodes.jsonl"
+        data.write_text(json.dumps(_episode("q", "1+1", "2")) + "\n" + json.dumps(row) + "\n")
+        cfg = load_config(SFTRunConfig, None, [
+            f"model.tokenizer={tokenizer_dir}", "model.name_or_path=qwen2-micro", f"sft.episodes={data}",
+            "env.tool_format=plain", "sft.max_steps=1", f"sft.output_dir={tmp_path / 'sft'}",
+            "logging.wandb_mode=disabled"])
+        with pytest.raises(ConfigError, match=rf"sft.episodes: {data}:2: .*{words}"):
+            run_sft(cfg)

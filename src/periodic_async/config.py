@@ -775,6 +775,13 @@ class SFTConfig:
     """torch CPU threads."""
     output_dir: str = "artifacts/sft-qwen2-1m"
     """Where the warm-started HF model directory is saved."""
+    episodes: str = ""
+    """A JSONL file of finished episodes to train on instead of the data's worked solutions: a
+    `messages` column per row in TRL's conversational format (system and user turns, assistant
+    turns with or without `tool_calls`, 'tool' answers, user feedback), an optional `tools` column
+    (JSON schemas; default: the `env` section's tools). Rendered with `env.tool_format` exactly as
+    the RL episodes are; the assistant turns are learnt, the environment's are context. The
+    single-turn held-out accuracy is then not measured."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 1, "sft", "max_steps", self.max_steps, "must be >= 1")
@@ -831,6 +838,8 @@ class SFTRunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Only `reward.accuracy_function` is used here: the held-out accuracy before and after."""
     sft: SFTConfig = field(default_factory=SFTConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """With `sft.episodes`: the tools shown in the prompt and the call format (`tool_format`)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:

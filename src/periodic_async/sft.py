@@ -8,7 +8,13 @@ directory (model + tokenizer) that `model.name_or_path` can point at. With `mode
 only the adapter trains; the directory then holds the base with the adapter merged in, and
 the adapter alone in adapter/ (PEFT's format).
 
+With `sft.episodes` it trains on finished multi-turn episodes instead (a JSONL of chat messages
+with tool calls, tool answers and feedback: the warm start that teaches a small model a tool's
+call format before RL on episodes), rendered as the RL episodes are (episode/formats.py
+`encode_conversation`), the model's turns learnt and the environment's turns context only.
+
     python -m periodic_async sft --config experiments/sft.yaml [section.key=value ...]
+    python -m periodic_async sft sft.episodes=tool_episodes.jsonl env.tool_format=plain env.factory=...
 """
 
 from __future__ import annotations
@@ -43,6 +49,37 @@ def tokenize_sft(tokenizer, examples, shots, data=None) -> list[tuple[list[int],
     return out
 
 
+def tokenize_episodes(tokenizer, path: str | Path, env) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt ids, the rest, its loss mask) of every episode in the JSONL file `path`
+    (`SFTConfig.episodes`), rendered as the RL episodes of the `env` section (an EnvConfig) are."""
+    from periodic_async.config import ConfigError
+    from periodic_async.episode import ProtocolError, encode_conversation, make_format
+    from periodic_async.episode.protocol import load_environments
+
+    envs = load_environments(env)
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"sft.episodes: {path}:{n}: not JSON ({e.msg})") from None
+    if not rows:
+        raise ConfigError(f"sft.episodes: {path} holds no episodes")
+    shows_tools = envs.has_tools or any(r.get("tools") for _, r in rows)
+    fmt = make_format(tokenizer, env.tool_format, needs_tools=shows_tools)
+    out = []
+    for n, row in rows:
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+            raise ConfigError(f"sft.episodes: {path}:{n}: a row needs a 'messages' list (TRL's conversational format)")
+        try:
+            schemas = row.get("tools") or envs.schemas(envs.name_for(row, f"{path}:{n}"))
+            out.append(encode_conversation(fmt, row["messages"], schemas))
+        except (ProtocolError, KeyError, TypeError) as e:
+            raise ConfigError(f"sft.episodes: {path}:{n}: {e}") from None
+    return out
+
+
 def sft_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int,
              masks: list[list[int]] | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy over the target tokens of a right-padded batch. `masks`, one
@@ -71,14 +108,25 @@ def run_sft(cfg: SFTRunConfig) -> dict:
     save_run_info(cfg, out)
     model, tokenizer = load_policy(cfg.model)
     shots = few_shot_examples(cfg.data)
-    train = tokenize_sft(tokenizer, load_examples(cfg.data, "train"), shots, cfg.data)
-    eval_examples = load_examples(cfg.data, "eval")
+    if cfg.sft.episodes:  # (prompt, rest, mask): the environment's turns are context only
+        train = tokenize_episodes(tokenizer, cfg.sft.episodes, cfg.env)
+        eval_examples = []
+    else:
+        train = [(p, t, None) for p, t in tokenize_sft(tokenizer, load_examples(cfg.data, "train"), shots, cfg.data)]
+        eval_examples = load_examples(cfg.data, "eval")
     logger = MetricsLogger(out, cfg, mode=cfg.logging.wandb_mode, project=cfg.logging.wandb_project,
                            name=f"sft-{out.name}")
     accuracy_fn = make_accuracy(cfg.reward)
-    before = evaluate(model, tokenizer, eval_examples, shots, data=cfg.data, accuracy_fn=accuracy_fn)
+
+    def held_out() -> dict:
+        if not eval_examples:  # episodes: the single-turn accuracy would not say how the episodes go
+            return {"accuracy": float("nan"), "n": 0, "samples": []}
+        return evaluate(model, tokenizer, eval_examples, shots, data=cfg.data, accuracy_fn=accuracy_fn)
+
+    before = held_out()
     print(f"[sft] {cfg.model.name_or_path}: {num_parameters(model) / 1e6:.2f}M parameters, "
-          f"{len(train)} training examples, held-out accuracy before {before['accuracy']:.3f}")
+          + (f"{len(train)} training episodes" if cfg.sft.episodes else
+             f"{len(train)} training examples, held-out accuracy before {before['accuracy']:.3f}"))
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.01, betas=(0.9, 0.95))
     rng = random.Random(cfg.data.seed)
@@ -97,7 +145,8 @@ def run_sft(cfg: SFTRunConfig) -> dict:
         lr = cfg.sft.lr * min(1.0, (step + 1) / cfg.sft.warmup_steps) * 0.5 * (1 + math.cos(math.pi * progress))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss = sft_loss(model, batch, tokenizer.pad_token_id)
+        masks = None if cfg.sft.episodes == "" else [m for _, _, m in batch]
+        loss = sft_loss(model, [(p, t) for p, t, _ in batch], tokenizer.pad_token_id, masks)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -106,7 +155,7 @@ def run_sft(cfg: SFTRunConfig) -> dict:
         if step % 50 == 0:
             logger.log({"sft/loss": loss.item(), "sft/lr": lr, "sft/elapsed_s": time.time() - t0}, step=step)
     train_s = time.time() - t0
-    after = evaluate(model, tokenizer, eval_examples, shots, data=cfg.data, accuracy_fn=accuracy_fn)
+    after = held_out()
     if is_lora(model):  # the adapter in PEFT's format, then the merged model the RL runs load
         model.save_pretrained(out / "adapter")
         model = model.merge_and_unload()
@@ -120,6 +169,7 @@ def run_sft(cfg: SFTRunConfig) -> dict:
     (out / "eval_samples.jsonl").write_text("\n".join(json.dumps(s) for s in after["samples"][:50]) + "\n")
     logger.log({"sft/accuracy_before": before["accuracy"], "sft/accuracy_after": after["accuracy"]}, step=step)
     logger.close()
-    print(f"[sft] {step} steps in {train_s:.0f} s; held-out accuracy {before['accuracy']:.3f} -> "
-          f"{after['accuracy']:.3f} (n={after['n']}); saved {out}")
+    accuracy = f"held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} (n={after['n']}); " \
+        if eval_examples else ""
+    print(f"[sft] {step} steps in {train_s:.0f} s; {accuracy}saved {out}")
     return summary

@@ -380,3 +380,43 @@ def plot_shared_prompt(csv_path: str | Path, out_path: str | Path):
     ax2.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, out_path)
+
+
+def plot_multiturn(csv_path: str | Path, curve_csv: str | Path, out_path: str | Path):
+    """results/multiturn.csv and multiturn_curve.csv: each mode's speedup over sync-separated as the
+    environment's latency spreads (left; min-max of the paired rounds, the bound dashed, the
+    single-turn speedup dotted), and per iteration the training reward (middle) and the share of
+    episodes that called the tool (right), one line per mode."""
+    plt = _pyplot()
+
+    rows, curve = read_csv(csv_path), read_csv(curve_csv)
+    styles = {"sync-separated": ("-", "#4C72B0"), "periodic-async": ("--", "#C44E52"),
+              "sync-colocated": ("-.", "#999999"), "async-offpolicy": (":", "#55A868")}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    for mode in [m for m in dict.fromkeys(r["mode"] for r in rows) if m != "sync-separated"]:
+        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: float(r["p99_s"]))
+        x, y = [float(r["p99_s"]) for r in mine], [float(r["speedup_vs_sync_separated"]) for r in mine]
+        err = [[max(v - float(r["speedup_min"]), 0) for v, r in zip(y, mine)],
+               [max(float(r["speedup_max"]) - v, 0) for v, r in zip(y, mine)]]
+        ls, color = styles.get(mode, ("-", None))
+        axes[0].errorbar(x, y, yerr=err, fmt=ls + "o", color=color, ms=4, capsize=3, lw=1.2, label=mode)
+    sync = sorted((r for r in rows if r["mode"] == "sync-separated"), key=lambda r: float(r["p99_s"]))
+    axes[0].plot([float(r["p99_s"]) for r in sync], [float(r["bound"]) for r in sync], "k--_", ms=14, lw=0.8,
+                 label="bound (T_gen+T_train)/max")
+    single = [float(r["single_turn_speedup"]) for r in rows if r.get("single_turn_speedup") not in (None, "")]
+    if single:
+        axes[0].axhline(single[0], ls=":", color="black", lw=0.8, label=f"single-turn periodic-async {single[0]:.2f}x")
+    axes[0].axhline(1.0, color="#cccccc", lw=0.6)
+    axes[0].set(xscale="log", xlabel="latency p99, s (median 0.2 s)", ylabel="tokens/s vs sync-separated")
+    for mode in dict.fromkeys(r["mode"] for r in curve):
+        ls, color = styles.get(mode, ("-", None))
+        mine = [r for r in curve if r["mode"] == mode]
+        its = [int(r["iteration"]) for r in mine]
+        axes[1].plot(its, [float(r["reward_mean"]) for r in mine], ls, color=color, lw=1.2, label=mode)
+        axes[2].plot(its, [float(r["tool_use_rate"]) for r in mine], ls, color=color, lw=1.2, label=mode)
+    axes[1].set(xlabel="iteration", ylabel="training reward (mean of B x G episodes)")
+    axes[2].set(xlabel="iteration", ylabel="episodes that called the tool", ylim=(-0.02, 1.02))
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, out_path)

@@ -18,13 +18,14 @@ takes `episode_group`'s loss mask (docs/episodes.md).
 """
 
 from periodic_async.episode.continuer import Continuer, StreamingContinuer, WaveContinuer
-from periodic_async.episode.formats import PlainTextFormat, TemplateFormat, ToolCall, format_call, make_format
+from periodic_async.episode.formats import (PlainTextFormat, TemplateFormat, ToolCall, encode_conversation, format_call,
+                                           make_format)
 from periodic_async.episode.pack import EpisodeGroup, episode_group, loss_mask_N
 from periodic_async.episode.protocol import Environments, ProtocolError, tool_schema
 from periodic_async.episode.record import Episode, EpisodeError, EpisodeLimits, Turn
 from periodic_async.episode.runner import EpisodeRunner, GroupSpec, turn_seed
 
 __all__ = ["Continuer", "StreamingContinuer", "WaveContinuer", "PlainTextFormat", "TemplateFormat", "ToolCall",
-           "format_call", "make_format", "EpisodeGroup", "episode_group", "loss_mask_N", "Environments",
-           "ProtocolError", "tool_schema", "Episode", "EpisodeError", "EpisodeLimits", "Turn", "EpisodeRunner",
-           "GroupSpec", "turn_seed"]
+           "encode_conversation", "format_call", "make_format", "EpisodeGroup", "episode_group", "loss_mask_N",
+           "Environments", "ProtocolError", "tool_schema", "Episode", "EpisodeError", "EpisodeLimits", "Turn",
+           "EpisodeRunner", "GroupSpec", "turn_seed"]

@@ -104,6 +104,11 @@ class _Format:
     def feedback_messages(self, text: str) -> list[dict]:
         return [{"role": "user", "content": text}]
 
+    def model_turn_ids(self, message: dict) -> list[int]:
+        """The ids a model turn samples to say the assistant `message` (its content and tool calls),
+        ending with eos: what the runner would have recorded for it."""
+        raise NotImplementedError
+
 
 class TemplateFormat(_Format):
     """The chat template's own tool format (module docstring)."""
@@ -121,6 +126,14 @@ class TemplateFormat(_Format):
 
     def prompt_ids(self, messages: list[dict], schemas: list[dict]) -> list[int]:
         return _render(self.tokenizer, messages, schemas, generation_prompt=True)
+
+    def model_turn_ids(self, message: dict) -> list[int]:
+        before = [{"role": "user", "content": "x"}]
+        head = _render(self.tokenizer, before, generation_prompt=True)
+        full = _render(self.tokenizer, before + [message])
+        eos = self.tokenizer.eos_token_id
+        turn = full[len(head):]
+        return turn[: turn.index(eos) + 1] if eos in turn else turn + [eos]
 
     def parse(self, ids: list[int], prefix: list[int], schemas: list[dict]) -> tuple[dict, list[ToolCall]]:
         try:
@@ -252,6 +265,57 @@ class PlainTextFormat(_Format):
 
     def answer_messages(self, answers: list[tuple[str, str]]) -> list[dict]:
         return [{"role": "user", "content": "\n".join(format_answer(text) for _, text in answers)}]
+
+    def model_turn_ids(self, message: dict) -> list[int]:
+        text = message.get("content") or ""
+        if CALL_OPEN not in text:  # the calls as TRL writes them, beside the content (the runner's are inside it)
+            text += "".join(format_call(c["name"], _arguments(c)) for c in _calls(message))
+        return self.tokenizer(text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
+
+
+def _calls(message: dict) -> list[dict]:
+    return [c.get("function", c) for c in message.get("tool_calls") or []]
+
+
+def _arguments(call: dict) -> dict[str, Any]:
+    args = call.get("arguments") or {}
+    return json.loads(args) if isinstance(args, str) else dict(args)
+
+
+def encode_conversation(fmt: _Format, messages: list[dict], schemas: list[dict]) -> tuple[list[int], list[int],
+                                                                                           list[int]]:
+    """A finished episode written as chat messages (TRL's conversational format: system and user
+    turns, then assistant turns with or without `tool_calls`, 'tool' answers and user feedback)
+    as the ids the runner would have recorded: (prompt ids, the rest, its loss mask: 1 on the
+    model's turns, 0 on the environment's). The supervised warm start of tool use trains on it."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+    if first is None or first == 0:
+        raise ProtocolError("a conversation needs its prompt (system/user messages) and then an assistant message")
+    prompt, ids, mask = fmt.prompt_ids(messages[:first], schemas), [], []
+    i, last_call = first, None
+    while i < len(messages):
+        m = messages[i]
+        if m.get("role") == "assistant":
+            turn = fmt.model_turn_ids(m)
+            last_call = _calls(m)[-1]["name"] if _calls(m) else None
+            ids, mask, i = ids + turn, mask + [1] * len(turn), i + 1
+            continue
+        j = i  # the environment's turn: the tool answers, or the user's feedback, up to the next assistant
+        while j < len(messages) and messages[j].get("role") != "assistant":
+            j += 1
+        said = messages[i:j]
+        if all(x.get("role") == "tool" for x in said):
+            env = fmt.env_ids(fmt.answer_messages([(x.get("name", last_call), str(x["content"])) for x in said]),
+                              last_call)
+        elif all(x.get("role") == "user" for x in said):
+            env = fmt.env_ids(fmt.feedback_messages("\n".join(str(x["content"]) for x in said)))
+        else:
+            raise ProtocolError(f"messages {i}..{j - 1}: an environment turn is tool answers or user feedback, "
+                                f"not {[x.get('role') for x in said]}")
+        if j == len(messages):
+            break  # nothing of the model's follows: the conversation's last environment turn is not learnt from
+        ids, mask, i = ids + env, mask + [0] * len(env), j
+    return prompt, ids, mask
 
 
 def with_tools(messages: list[dict], schemas: list[dict]) -> list[dict]:
