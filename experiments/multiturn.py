@@ -14,20 +14,24 @@ episode, not only once the model calls the tool. Each call waits a lognormal tim
 waits the same). The calls use the plain-text format (SmolLM2's template renders no tools).
 
 1. Warm start. A 135M model calls no tool it has not seen. The `sft` command trains it
-   (sft.episodes) on `WARM_EPISODES` tool-calling episodes written in TRL's conversational format
-   (<runs>/warm_episodes.jsonl): the prompt with the tool listed, the call (rendered as
-   `<tool_call>calculator(expression="...")</tool_call>`), the tool's answer, then
-   `<answer>...</answer>`; the model's two turns are learnt, the tool's answer is context. The
-   tool-use rate and the accuracy of greedy episodes on the held-out questions, before and
-   after, go to <results>/multiturn_warm_start.csv.
+   (sft.episodes) on `WARM_EPISODES` episodes written in TRL's conversational format
+   (<runs>/warm_episodes.jsonl): every other one calls the calculator (rendered as
+   `<tool_call>calculator(expression="...")</tool_call>`), reads its answer and answers
+   `<answer>...</answer>`; the others answer at once. The model's turns are learnt, the tool's
+   answer is context. So the warm model knows the format and calls the tool on some questions
+   only: RL has a choice to learn (a direct answer to a product of 3-digit numbers is mostly
+   wrong, and the verifier's "try again" costs another turn). The tool-use rate and the accuracy
+   of greedy episodes on the held-out questions (base, warm, and after RL: periodic-async's
+   learning-curve run) go to <results>/multiturn_warm_start.csv.
 2. The systems, from the warm start, per spread: sync-separated, periodic-async, sync-colocated
-   and async-offpolicy, interleaved, `--repeats` rounds (bench/protocol.py: medians, min, max,
-   paired ratios). At the widest spread also sync-separated and periodic-async without the
-   environment (single-turn, the same prompts and batch): the single-turn speedup the target
-   compares with. The bound: (T_gen + T_train) / max(T_gen, T_train) from the sync-separated runs,
-   as async_speedup.py computes it.
-3. The learning curve: per mode at the widest spread (the last round's runs), per iteration the
-   reward, the batch accuracy and the tool-use rate (episodes that called the tool).
+   and async-offpolicy, interleaved, `--repeats` rounds of `TIMED_ITERATIONS`-iteration runs
+   (bench/protocol.py: medians, min, max, paired ratios; the first iteration excluded). At the
+   widest spread also sync-separated and periodic-async without the environment (single-turn,
+   the same prompts and batch): the single-turn speedup the target compares with. The bound:
+   (T_gen + T_train) / max(T_gen, T_train) from the sync-separated runs, as async_speedup.py
+   computes it.
+3. The learning curve: one run per mode at the widest spread, the yaml's iterations; per
+   iteration the reward, the batch accuracy and the tool-use rate (episodes that called the tool).
 
 Writes
   <results>/multiturn.csv             one row per spread and mode: tokens_per_s (median, min, max),
@@ -71,6 +75,8 @@ MODES = ["sync-separated", "periodic-async", "sync-colocated", "async-offpolicy"
 SPREADS = [0.2, 1.0, 3.0]
 """p99 of the tool's and the verifier's latency in seconds (median 0.2 s): no spread, some, a code sandbox's."""
 WARM_EPISODES, WARM_STEPS, WARM_BATCH, WARM_LR, WARM_WARMUP = 100, 25, 4, 2e-4, 3
+TIMED_ITERATIONS = 2
+"""Iterations of each timed run: the first is start-up and excluded, as in async_speedup.py."""
 QUICK = ["model.name_or_path=qwen2-1m", "model.tokenizer=artifacts/tokenizer", "engine.backend=local",
          "data.num_train=64", "data.num_eval=4", "engine.max_tokens=16", "env.max_tokens=96",
          "algorithm.prompts_per_iteration=2", "algorithm.group_size=2", "trainer.iterations=2",
@@ -91,13 +97,13 @@ def expression(question: str) -> str:
 def warm_episodes(cfg: RunConfig, path: Path, episodes: int) -> Path:
     """The warm start's episodes in TRL's conversational format (module docstring, step 1), as JSONL."""
     rows = []
-    for e in load_examples(cfg.data, "train")[:episodes]:
+    for i, e in enumerate(load_examples(cfg.data, "train")[:episodes]):
         expr = expression(e.question)
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expr}}}
-        rows.append({"messages": prompt_messages(e, [], cfg.data) + [
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "calculator", "content": format_number(evaluate(expr))},
-            {"role": "assistant", "content": f"<answer>{e.answer}</answer>"}]})
+        tool = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "calculator", "content": format_number(evaluate(expr))}]
+        answer = [{"role": "assistant", "content": f"<answer>{e.answer}</answer>"}]
+        rows.append({"messages": prompt_messages(e, [], cfg.data) + (tool if i % 2 == 0 else []) + answer})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -166,11 +172,17 @@ def main(argv=None) -> list[dict]:
                                                                f"trainer.output_dir={runs}/{name}"] + more)
         return System(name, lambda: run(cfg, engine=engines.get(cfg)), cfg)
 
-    systems = [system(f"p99={p99}/{mode}", mode, [latency_override(base, p99)]) for p99 in spreads for mode in MODES]
+    timed = [f"trainer.iterations={TIMED_ITERATIONS}"]
+    systems = [system(f"p99={p99}/{mode}", mode, [latency_override(base, p99)] + timed) for p99 in spreads
+               for mode in MODES]
     widest = spreads[-1]
-    systems += [system(f"single-turn/{mode}", mode, ["env.factory="]) for mode in MODES[:2]]
+    systems += [system(f"single-turn/{mode}", mode, ["env.factory="] + timed) for mode in MODES[:2]]
+    curves = [system(f"curve/{mode}", mode, [latency_override(base, widest)]) for mode in MODES]
     try:
         res = measure(systems, repeats=args.repeats)
+        for c in curves:  # the learning curves: one run per mode, the yaml's iterations
+            print(f"[multiturn] learning curve: {c.name}")
+            c.run()
     finally:
         engines.close()
     single = res["single-turn/periodic-async"].ratio(res["single-turn/sync-separated"]).median
@@ -192,12 +204,16 @@ def main(argv=None) -> list[dict]:
     write_csv(results / "multiturn.csv", rows)
     curve = []
     for mode in MODES:
-        for m in read_jsonl(runs / f"p99={widest}" / mode / "metrics.jsonl"):
+        for m in read_jsonl(runs / "curve" / mode / "metrics.jsonl"):
             if "episode/tool_use_rate" in m:
                 curve.append({"mode": mode, "iteration": m["step"] - 1, "reward_mean": round(m["reward/mean"], 4),
                               "accuracy": round(m["accuracy"], 4),
                               "tool_use_rate": round(m["episode/tool_use_rate"], 4)})
     write_csv(results / "multiturn_curve.csv", curve)
+    trained = dataclasses.replace(base, model=dataclasses.replace(base.model, name_or_path=str(
+        runs / "curve" / "periodic-async" / "checkpoint")))
+    warm_rows.append({"model": "periodic-async, after RL", **tool_use(trained)})
+    write_csv(results / "multiturn_warm_start.csv", warm_rows)
     png = plot_multiturn(results / "multiturn.csv", results / "multiturn_curve.csv",
                          Path(args.figures) / "multiturn.png")
     log_experiment("multiturn", [results / f"multiturn{s}.csv" for s in ("", "_curve", "_warm_start")], [png])
