@@ -29,6 +29,13 @@ busy time)), figures/timeline.png (the paper's Figure 1 from the last round's ru
 in <results>/timeline/), figures/async_speedup.png; with a tag, each name carries it
 (async_speedup_real.csv, timeline_real/, ...).
 
+`dynamic` (the real-tasks issue's measurement): sync-separated and periodic-async, without and with
+dynamic sampling (algorithm.dynamic_sampling: more prompts of the same version are drawn until
+B groups whose rewards differ are trained), on balanced's workload, interleaved rounds; writes
+<results>/dynamic_sampling.csv (per mode and variant: iteration time, prompts drawn and groups
+filtered per iteration, and the iteration time's growth over the same mode without it) and
+nothing else. Under periodic asynchrony the extra draws overlap training on earlier groups.
+
 `lora` (beyond the paper): sync-separated and periodic-async, full fine-tuning and LoRA
 (bench/lora_setting.py, the merged push), on real-model's deployment at B=8, interleaved rounds;
 writes <results>/lora_iteration.csv (per mode and variant: tokens/s, phase times, the speedup over
@@ -75,8 +82,12 @@ SETTINGS = {  # name: (config, output tag, overrides, {mode: overrides replacing
     "lora": ("async_speedup_real.yaml", "lora", ["algorithm.prompts_per_iteration=8", "trainer.iterations=2"], {
         "sync-separated": ["algorithm.micro_batch_tokens=4096"]}),
 }
+SETTINGS["dynamic"] = ("async_speedup.yaml", "dynamic", SETTINGS["balanced"][2], {})
 LORA_VARIANTS = {"full": [], "lora": LORA_OVERRIDES}
 """The `lora` setting's systems: sync-separated and periodic-async, each with full fine-tuning and with LoRA."""
+DYNAMIC_VARIANTS = {"plain": [], "dynamic": ["algorithm.dynamic_sampling=true"]}
+"""The `dynamic` setting's systems: sync-separated and periodic-async, without and with dynamic sampling
+(algorithm.max_draws_per_iteration left at its default)."""
 PER_RESPONSE = {"real-model"}
 """Settings that also run sync-separated and periodic-async with algorithm.shared_prompt=false, in the
 same interleaved rounds: the paper's combined claim (shared prompt alone, asynchrony alone, both)
@@ -144,6 +155,28 @@ def write_lora_rows(res: dict, path: Path) -> list[dict]:
     return rows
 
 
+def write_dynamic_rows(res: dict, path: Path) -> list[dict]:
+    """The `dynamic` setting's table: per mode and variant, the iteration time, the prompts drawn and
+    groups filtered per iteration, and the iteration time's growth with dynamic sampling (same mode,
+    paired rounds: dynamic / plain)."""
+    rows = []
+    for name, r in res.items():
+        variant, mode = name.split("/")
+        growth = r.ratio(res[f"plain/{mode}"], "mean_iteration_s")
+        rows.append({"mode": mode, "variant": variant, **r.row(["mean_iteration_s"], 3),
+                     **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s", "mean_drawn",
+                                                                 "mean_filtered")},
+                     "growth_vs_plain": round(growth.median, 3), "growth_min": round(growth.min, 3),
+                     "growth_max": round(growth.max, 3), "measured_iterations": r.measured_iterations,
+                     **r.provenance()})
+    write_csv(path, rows)
+    for r in rows:
+        print(f"{r['variant']:7s} {r['mode']:15s} {r['mean_iteration_s']:7.2f} s/iteration, {r['mean_drawn']:.1f} "
+              f"drawn, {r['mean_filtered']:.1f} filtered (x{r['growth_vs_plain']:.2f} of plain)")
+    print(f"[async_speedup] wrote {path}")
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = experiment_parser(__doc__, runs="runs/async_speedup", repeats=(3, 1), figures=True, overrides=True)
     ap.add_argument("--settings", choices=sorted(SETTINGS), default="cpu-tuned", help="the workload and deployment")
@@ -175,8 +208,9 @@ def main(argv=None) -> list[dict]:
                           + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{label}"])
         return System(label, lambda: run(cfg, engine=engines.get(cfg)), cfg)
 
-    if args.settings == "lora":
-        systems = [system(f"{variant}/{mode}", mode, more) for variant, more in LORA_VARIANTS.items()
+    if args.settings in ("lora", "dynamic"):
+        variants = LORA_VARIANTS if args.settings == "lora" else DYNAMIC_VARIANTS
+        systems = [system(f"{variant}/{mode}", mode, more) for variant, more in variants.items()
                    for mode in MODES[:2]]
     else:
         systems = [system(mode, mode, []) for mode in MODES]
@@ -188,6 +222,8 @@ def main(argv=None) -> list[dict]:
         engines.close()
     if args.settings == "lora":
         return write_lora_rows(res, Path(args.results) / "lora_iteration.csv")
+    if args.settings == "dynamic":
+        return write_dynamic_rows(res, Path(args.results) / "dynamic_sampling.csv")
     per_response = {m: res.pop(f"per-response-{m}") for m in MODES[:2] if f"per-response-{m}" in res}
     sync, asyn = res["sync-separated"], res["periodic-async"]
     t_gen, t_train = sync.stats("mean_generate_s").median, sync.stats("mean_train_s").median

@@ -97,6 +97,39 @@ def test_lora_iteration_is_a_setting_of_async_speedup(tmp_path):
 
 
 @pytest.mark.slow
+def test_dynamic_sampling_is_a_setting_of_async_speedup(tmp_path, tokenizer_dir):
+    """`async_speedup.py --settings dynamic`: sync-separated and periodic-async without and with
+    dynamic sampling, in dynamic_sampling.csv: the growth of the iteration time over the same mode
+    without it, and the prompts drawn per iteration (at least B with it, exactly B without)."""
+    _run("async_speedup", "--quick", "--settings", "dynamic", "--figures", str(tmp_path),
+         *_common(tmp_path, tokenizer_dir))
+    rows = {(r["variant"], r["mode"]): r for r in _rows(tmp_path / "dynamic_sampling.csv")}
+    assert set(rows) == {(v, m) for v in ("plain", "dynamic") for m in ("sync-separated", "periodic-async")}
+    assert all(float(rows[("plain", m)]["growth_vs_plain"]) == 1.0 for m in ("sync-separated", "periodic-async"))
+    assert {float(rows[("plain", m)]["mean_drawn"]) for m in ("sync-separated", "periodic-async")} == {8.0}
+    assert all(float(rows[("dynamic", m)]["mean_drawn"]) >= 8 for m in ("sync-separated", "periodic-async"))
+    assert not (tmp_path / "async_speedup_dynamic.csv").exists()  # the setting writes its own table alone
+
+
+@pytest.mark.slow
+def test_multiturn_quick(tmp_path, tokenizer_dir):
+    """`multiturn.py --quick`: the warm start through `sft.episodes`, the four modes on episodes and
+    the single-turn pair, the learning curves, the tool-use table and the figure."""
+    _run("multiturn", "--quick", "--figures", str(tmp_path), "--results", str(tmp_path), "--runs",
+         str(tmp_path / "runs"), f"model.tokenizer={tokenizer_dir}", "logging.wandb_mode=disabled")
+    rows = {r["mode"]: r for r in _rows(tmp_path / "multiturn.csv")}
+    assert set(rows) == {"sync-separated", "periodic-async", "sync-colocated", "async-offpolicy"}
+    assert float(rows["sync-separated"]["speedup_vs_sync_separated"]) == 1.0
+    assert rows["periodic-async"]["single_turn_speedup"] and rows["periodic-async"]["target_met"] in ("True", "False")
+    curve = _rows(tmp_path / "multiturn_curve.csv")
+    assert {r["mode"] for r in curve} == set(rows) and all(0 <= float(r["tool_use_rate"]) <= 1 for r in curve)
+    assert [r["model"] for r in _rows(tmp_path / "multiturn_warm_start.csv")] == \
+        ["base", "warm", "periodic-async, after RL"]
+    assert (tmp_path / "runs" / "warm_episodes.jsonl").is_file()
+    assert (tmp_path / "multiturn.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
 def test_lora_trimodel_quick(tmp_path):
     """lora_trimodel.py --quick: the tri-model's bytes (LoRA keeps the base once), and the peak
     memory of one fresh process per mode on the rows that keep every model."""

@@ -235,6 +235,9 @@ def summary(cfg: RunConfig, history: list[dict]) -> dict:
         # the trainer thread's CPU seconds in its busy time: below mean_train_s when it waited
         # (another thread on its core, the GIL), equal when it computed throughout
         "mean_train_thread_cpu_s": statistics.fmean(h.get("train/thread_cpu_s", 0.0) for h in steady),
+        # prompts drawn per iteration and groups dynamic sampling left untrained (B and 0 without it)
+        "mean_drawn": statistics.fmean(h.get("dynamic/drawn", cfg.algorithm.prompts_per_iteration) for h in steady),
+        "mean_filtered": statistics.fmean(h.get("dynamic/filtered", 0) for h in steady),
         # the mean loss over this run's iterations (TRL's training_loss)
         "train_loss": statistics.fmean(h.get("train/loss", float("nan")) for h in history),
         "reward_first": history[0]["reward/mean"], "reward_last": history[-1]["reward/mean"],
