@@ -23,9 +23,10 @@ waits the same). The calls use the plain-text format (SmolLM2's template renders
    wrong, and the verifier's "try again" costs another turn). The tool-use rate and the accuracy
    of greedy episodes on the held-out questions (base, warm, and after RL: periodic-async's
    learning-curve run) go to <results>/multiturn_warm_start.csv.
-2. The systems, from the warm start, per spread: sync-separated, periodic-async, sync-colocated
-   and async-offpolicy, interleaved, `--repeats` rounds of `TIMED_ITERATIONS`-iteration runs
-   (bench/protocol.py: medians, min, max, paired ratios; the first iteration excluded). At the
+2. The systems, from the warm start: sync-separated and periodic-async at every spread, and
+   sync-colocated and async-offpolicy at the widest, interleaved, `--repeats` rounds of
+   `TIMED_ITERATIONS`-iteration runs (bench/protocol.py: medians, min, max, paired ratios; the
+   first iteration excluded). At the
    widest spread also sync-separated and periodic-async without the environment (single-turn,
    the same prompts and batch): the single-turn speedup the target compares with. The bound:
    (T_gen + T_train) / max(T_gen, T_train) from the sync-separated runs, as async_speedup.py
@@ -173,9 +174,10 @@ def main(argv=None) -> list[dict]:
         return System(name, lambda: run(cfg, engine=engines.get(cfg)), cfg)
 
     timed = [f"trainer.iterations={TIMED_ITERATIONS}"]
-    systems = [system(f"p99={p99}/{mode}", mode, [latency_override(base, p99)] + timed) for p99 in spreads
-               for mode in MODES]
     widest = spreads[-1]
+    modes = {p99: MODES if p99 == widest else MODES[:2] for p99 in spreads}  # the others: the separated pair
+    systems = [system(f"p99={p99}/{mode}", mode, [latency_override(base, p99)] + timed) for p99 in spreads
+               for mode in modes[p99]]
     systems += [system(f"single-turn/{mode}", mode, ["env.factory="] + timed) for mode in MODES[:2]]
     curves = [system(f"curve/{mode}", mode, [latency_override(base, widest)]) for mode in MODES]
     try:
@@ -190,7 +192,7 @@ def main(argv=None) -> list[dict]:
     for p99 in spreads:
         sync = res[f"p99={p99}/sync-separated"]
         bound = overlap_bound(sync.stats("mean_generate_s").median, sync.stats("mean_train_s").median)
-        for mode in MODES:
+        for mode in modes[p99]:
             r = res[f"p99={p99}/{mode}"]
             paired = r.ratio(sync)
             row = {"p99_s": p99, "mode": mode, **r.row(["tokens_per_s"], 1),
