@@ -231,6 +231,20 @@ def _run_cfg(out: Path, model_dir, mode: str, **overrides):
     return load_config(RunConfig, None, [f"{k}={v}" for k, v in settings.items()])
 
 
+def _assert_same_weights(cfgs: dict, model_dir) -> None:
+    """The two runs' final weights within 1e-5 (fp32), while training moved them by more than 1e-3."""
+    from safetensors.torch import load_file
+
+    weights = {m: load_file(Path(c.trainer.output_dir) / "checkpoint" / "model.safetensors") for m, c in cfgs.items()}
+    w0 = trainer_model(model_dir).state_dict()
+    moved = max((weights["sync-separated"][k] - w0[k]).abs().max().item() for k in weights["sync-separated"])
+    gap = max((weights["sync-separated"][k] - weights["periodic-async"][k]).abs().max().item()
+              for k in weights["sync-separated"])
+    print(f"weights moved {moved:.3g}, async-sync gap {gap:.3g}")
+    assert moved > 1e-3, "training must move the weights"
+    assert gap <= 1e-5, f"final weights {gap:.2e} apart"
+
+
 def test_async_matches_sync_on_vllm(ray_vllm_gloo, model_dir, tmp_path, caplog):
     """periodic-async and sync-separated on two vLLM Ray workers (gloo weight sync), 3 iterations
     from one seed: identical tokens and rewards for every prompt (vLLM samples the same batches in
@@ -244,7 +258,6 @@ def test_async_matches_sync_on_vllm(ray_vllm_gloo, model_dir, tmp_path, caplog):
     each barrier's probe gap and push time, and the metrics carry them."""
     from periodic_async.pipeline import run
     from periodic_async.trace import read_jsonl
-    from safetensors.torch import load_file
 
     caplog.set_level(logging.INFO, logger="periodic_async.engine.verify")
     cfgs = {m: _run_cfg(tmp_path, model_dir, m) for m in ("sync-separated", "periodic-async")}
@@ -257,14 +270,7 @@ def test_async_matches_sync_on_vllm(ray_vllm_gloo, model_dir, tmp_path, caplog):
     assert len(sync) == len(asyn) == 3 * 6
     assert key(sync) == key(asyn)
     assert any(r["rewards"] != sync[0]["rewards"] for r in sync), "rewards must vary, or the test proves nothing"
-    weights = {m: load_file(Path(c.trainer.output_dir) / "checkpoint" / "model.safetensors") for m, c in cfgs.items()}
-    w0 = trainer_model(model_dir).state_dict()
-    moved = max((weights["sync-separated"][k] - w0[k]).abs().max().item() for k in weights["sync-separated"])
-    gap = max((weights["sync-separated"][k] - weights["periodic-async"][k]).abs().max().item()
-              for k in weights["sync-separated"])
-    print(f"weights moved {moved:.3g}, async-sync gap {gap:.3g}")
-    assert moved > 1e-3, "training must move the weights"
-    assert gap <= 1e-5, f"final weights {gap:.2e} apart"
+    _assert_same_weights(cfgs, model_dir)
     lines = [r.getMessage() for r in caplog.records if "probe log-prob gap" in r.getMessage()]
     assert len(lines) == 2 * 4, lines  # versions 0..3, two runs
     metrics = read_jsonl(Path(cfgs["periodic-async"].trainer.output_dir) / "metrics.jsonl")
@@ -280,7 +286,6 @@ def test_episodes_on_vllm_async_equals_sync(inproc, model_dir, tmp_path):
     moved them by far more. Environment turns did happen, and every push was checked."""
     from periodic_async.pipeline import run
     from periodic_async.trace import read_jsonl
-    from safetensors.torch import load_file
 
     from helpers import by_prompt
 
@@ -299,14 +304,7 @@ def test_episodes_on_vllm_async_equals_sync(inproc, model_dir, tmp_path):
     masks = {(r["iteration"], r["prompt_index"]): r["loss_mask"] for r in sync}
     assert masks == {(r["iteration"], r["prompt_index"]): r["loss_mask"] for r in asyn}
     assert any(0 in m for ms in masks.values() for m in ms), "environment turns must happen"
-    weights = {m: load_file(Path(c.trainer.output_dir) / "checkpoint" / "model.safetensors") for m, c in cfgs.items()}
-    w0 = trainer_model(model_dir).state_dict()
-    moved = max((weights["sync-separated"][k] - w0[k]).abs().max().item() for k in weights["sync-separated"])
-    gap = max((weights["sync-separated"][k] - weights["periodic-async"][k]).abs().max().item()
-              for k in weights["sync-separated"])
-    print(f"weights moved {moved:.3g}, async-sync gap {gap:.3g}")
-    assert moved > 1e-3, "training must move the weights"
-    assert gap <= 1e-5, f"final weights {gap:.2e} apart"
+    _assert_same_weights(cfgs, model_dir)
     metrics = read_jsonl(Path(cfgs["periodic-async"].trainer.output_dir) / "metrics.jsonl")
     assert sum(m["episode/feedback_turns"] for m in metrics) >= 3 and sum(m["episode/env_tokens"] for m in metrics) > 0
     assert all(0 <= m["probe/max_gap"] <= ATOL and m["time/push_s"] > 0 for m in metrics)
