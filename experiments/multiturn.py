@@ -2,16 +2,17 @@
 speedup when generation waits on an environment, strictly on-policy?
 
     bash experiments/multiturn.sh                       (QUICK=1: a smoke run on a tiny preset)
-    python experiments/multiturn.py [--quick] [--repeats 3] [--spreads 0.2,1,3] [--results results]
+    python experiments/multiturn.py [--quick] [--repeats 3] [--spreads 1,5,15] [--results results]
         [section.key=value ...]
 
 The task (multiturn.yaml): reasoning-gym's basic_arithmetic with two- and three-digit numbers and
 products, on SmolLM2-135M-Instruct. The environment, `periodic_async.episode.envs:CalculatorEnv`:
 a `calculator(expression)` tool and a verifier that answers every reply without a tool call
 (wrong, with attempts left: "try again"; up to 3 attempts), so its latency is paid on every
-episode, not only once the model calls the tool. Each call waits a lognormal time, median 0.2 s,
-99th percentile `--spreads` (seconds; 0.2 = no spread), drawn from the call's content (a rerun
-waits the same). The calls use the plain-text format (SmolLM2's template renders no tools).
+episode, not only once the model calls the tool. Each call waits a lognormal time, median 1 s,
+99th percentile `--spreads` (seconds; 1 = no spread), drawn from the call's content (a rerun
+waits the same): a code sandbox's latency times 5, as generation on CPU is slower (multiturn.yaml).
+The calls use the plain-text format (SmolLM2's template renders no tools).
 
 1. Warm start. A 135M model calls no tool it has not seen. The `sft` command trains it
    (sft.episodes) on `WARM_EPISODES` episodes written in TRL's conversational format
@@ -73,12 +74,18 @@ from periodic_async.trace import log_experiment, read_jsonl
 
 HERE = Path(__file__).resolve().parent
 MODES = ["sync-separated", "periodic-async", "sync-colocated", "async-offpolicy"]
-SPREADS = [0.2, 1.0, 3.0]
-"""p99 of the tool's and the verifier's latency in seconds (median 0.2 s): no spread, some, a code sandbox's."""
+SPREADS = [1.0, 5.0, 15.0]
+"""p99 of the tool's and the verifier's latency in seconds (median 1 s, multiturn.yaml): no spread,
+some, a code sandbox's (median 0.2 s, p99 3 s) times 5."""
+MODE_OVERRIDES = {  # each mode's best setting, as async_speedup.py's real-model: the synchronous modes train
+    # the whole batch in large micro-batches; sync-colocated runs both phases on both cores
+    "sync-separated": ["algorithm.micro_batch_tokens=4096"],
+    "sync-colocated": ["trainer.threads=2", "engine.threads_per_worker=2", "algorithm.micro_batch_tokens=4096"]}
 WARM_EPISODES, WARM_STEPS, WARM_BATCH, WARM_LR, WARM_WARMUP = 100, 25, 4, 2e-4, 3
 TIMED_ITERATIONS = 2
 """Iterations of each timed run: the first is start-up and excluded, as in async_speedup.py."""
 QUICK = ["model.name_or_path=qwen2-1m", "model.tokenizer=artifacts/tokenizer", "engine.backend=local",
+         "engine.worker_backend=auto",
          "data.num_train=64", "data.num_eval=4", "engine.max_tokens=16", "env.max_tokens=96",
          "algorithm.prompts_per_iteration=2", "algorithm.group_size=2", "trainer.iterations=2",
          "env.factory_kwargs={attempts: 2, latency: {median_s: 0.2, p99_s: 3.0, scale: 0.05}}"]
@@ -147,7 +154,7 @@ def tool_use(cfg: RunConfig) -> dict:
 
 def main(argv=None) -> list[dict]:
     ap = experiment_parser(__doc__, runs="runs/multiturn", repeats=(3, 1), figures=True, overrides=True)
-    ap.add_argument("--spreads", default=",".join(map(str, SPREADS)), help="p99 latencies in seconds (median 0.2)")
+    ap.add_argument("--spreads", default=",".join(map(str, SPREADS)), help="p99 latencies in seconds (median 1)")
     args = ap.parse_args(argv)
     config, results, runs = HERE / "multiturn.yaml", Path(args.results), Path(args.runs)
     spreads = [SPREADS[-1]] if args.quick else [float(s) for s in args.spreads.split(",")]
@@ -169,8 +176,8 @@ def main(argv=None) -> list[dict]:
     engines = SharedEngines()
 
     def system(name: str, mode: str, more: list[str]) -> System:
-        cfg = load_config(RunConfig, config, base_overrides + [f"model.name_or_path={warm}", f"pipeline.mode={mode}",
-                                                               f"trainer.output_dir={runs}/{name}"] + more)
+        cfg = load_config(RunConfig, config, base_overrides + MODE_OVERRIDES.get(mode, []) + more + [
+            f"model.name_or_path={warm}", f"pipeline.mode={mode}", f"trainer.output_dir={runs}/{name}"])
         return System(name, lambda: run(cfg, engine=engines.get(cfg)), cfg)
 
     timed = [f"trainer.iterations={TIMED_ITERATIONS}"]
