@@ -189,11 +189,9 @@ def main(argv=None) -> list[dict]:
     curves = [system(f"curve/{mode}", mode, [latency_override(base, widest)]) for mode in MODES]
     try:
         res = measure(systems, repeats=args.repeats)
-        for c in curves:  # the learning curves: one run per mode, the yaml's iterations
-            print(f"[multiturn] learning curve: {c.name}")
-            c.run()
-    finally:
+    except BaseException:
         engines.close()
+        raise
     single = res["single-turn/periodic-async"].ratio(res["single-turn/sync-separated"]).median
     rows = []
     for p99 in spreads:
@@ -210,7 +208,14 @@ def main(argv=None) -> list[dict]:
             if p99 == widest and mode == "periodic-async":
                 row.update(single_turn_speedup=round(single, 3), target_met=paired.median >= single)
             rows.append({**row, **r.provenance()})
-    write_csv(results / "multiturn.csv", rows)
+    write_csv(results / "multiturn.csv", rows)  # before the curves: a failure there keeps the timings
+    print(f"[multiturn] wrote {results}/multiturn.csv")
+    try:
+        for c in curves:  # the learning curves: one run per mode, the yaml's iterations (not timed)
+            print(f"[multiturn] learning curve: {c.name}")
+            c.run()
+    finally:
+        engines.close()
     curve = []
     for mode in MODES:
         for m in read_jsonl(runs / "curve" / mode / "metrics.jsonl"):

@@ -153,10 +153,6 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                             "task mode base_accuracy warm_start_accuracy eval_accuracy_end eval_stderr_end eval_n "
                             "iterations gain gain_stderr_paired ci95_low ci95_high max_abs_diff_vs_sync "
                             "mean_iteration_s mean_drawn mean_filtered cap_reached_iterations"),
-    "multiturn": ("multiturn.csv", "experiments/multiturn.sh",
-                  "p99_s mode tokens_per_s speedup_vs_sync_separated speedup_min speedup_max bound efficiency "
-                  "mean_iteration_s mean_generate_s mean_train_s single_turn_speedup target_met repeats git_commit"),
-    "multiturn_warm_start": ("multiturn_warm_start.csv", "experiments/multiturn.sh", None),
     "reward_curves_seed1": ("reward_curves_seed1/reward_curves_summary.csv",
                             "experiments/reward_curves.sh data.seed=1 --results results/reward_curves_seed1 "
                             "--figures figures/reward_curves_seed1",
