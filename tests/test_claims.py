@@ -154,7 +154,7 @@ def test_equivalence_needs_every_sample_and_a_control_that_parts(tmp_path):
     results = _results(tmp_path)
     assert _verdict("equivalence", results)[1] == "**met**"
     _patch(results / "equivalence.csv", {"case": "real-model", "iteration": "1"}, identical_samples=15)
-    assert _verdict("equivalence", results) == ("223/224 samples identical", "**missed** by 1 samples (precision)")
+    assert _verdict("equivalence", results) == ("399/400 samples identical", "**missed** by 1 samples (precision)")
     _patch(results / "equivalence.csv", {"case": "real-model", "iteration": "1"}, identical_samples=16)
     _patch(results / "equivalence.csv", {"case": "two-steps"}, identical_fraction=1.0)
     assert _verdict("equivalence", results)[1] == "**missed**: a control never parts (check: two-steps)"
