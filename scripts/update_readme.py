@@ -153,6 +153,10 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                             "task mode base_accuracy warm_start_accuracy eval_accuracy_end eval_stderr_end eval_n "
                             "iterations gain gain_stderr_paired ci95_low ci95_high max_abs_diff_vs_sync "
                             "mean_iteration_s mean_drawn mean_filtered cap_reached_iterations"),
+    "dynamic_sampling": ("dynamic_sampling.csv", "experiments/async_speedup.sh --settings dynamic",
+                         "mode variant mean_iteration_s mean_iteration_s_min mean_iteration_s_max mean_generate_s "
+                         "mean_train_s mean_drawn mean_filtered growth_vs_plain growth_min growth_max repeats "
+                         "measured_iterations git_commit"),
     "reward_curves_seed1": ("reward_curves_seed1/reward_curves_summary.csv",
                             "experiments/reward_curves.sh data.seed=1 --results results/reward_curves_seed1 "
                             "--figures figures/reward_curves_seed1",
