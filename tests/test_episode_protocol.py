@@ -235,6 +235,32 @@ def test_template_format_uses_the_templates_tool_format(qwen_tokenizer):
     assert full[-len(env):] == env
 
 
+def test_template_format_encodes_a_conversation_as_the_runner_records_it(qwen_tokenizer):
+    """`encode_conversation` with Qwen2.5's template (the warm start's input): the assistant's tool
+    call becomes the template's own call ids ending in eos, which `parse` reads back as the same
+    call; the tool answer is the environment turn `env_ids` gives; the mask covers the model's
+    turns only; and the whole is the template's rendering of the conversation, cut where the
+    runner appends."""
+    from periodic_async.episode import encode_conversation
+
+    tok, schemas = qwen_tokenizer, Environments(tools=[add]).schemas()
+    fmt = make_format(tok, "template")
+    question = [{"role": "user", "content": "What is 3+4?"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}]}
+    conversation = question + [call, {"role": "tool", "name": "add", "content": "7"},
+                               {"role": "assistant", "content": "7"}]
+    prompt, ids, mask = encode_conversation(fmt, conversation, schemas)
+    turn = fmt.model_turn_ids(call)
+    env = fmt.env_ids(fmt.answer_messages([("add", "7")]), "add")
+    assert prompt == fmt.prompt_ids(question, schemas) and turn[-1] == tok.eos_token_id
+    assert [(c.name, c.arguments) for c in fmt.parse(turn, prompt, schemas)[1]] == [("add", {"a": 3, "b": 4})]
+    assert ids == turn + env + fmt.model_turn_ids(conversation[-1])
+    assert mask == [1] * len(turn) + [0] * len(env) + [1] * (len(ids) - len(turn) - len(env))
+    rendered = tok.apply_chat_template(conversation, tools=schemas, tokenize=True, return_dict=False)
+    assert rendered[:len(prompt) + len(ids)] == prompt + ids
+
+
 # --- calls off the loop, timed ------------------------------------------------------------------
 
 def test_calls_time_out_and_never_hang():

@@ -407,7 +407,7 @@ def plot_multiturn(csv_path: str | Path, curve_csv: str | Path, out_path: str | 
     if single:
         axes[0].axhline(single[0], ls=":", color="black", lw=0.8, label=f"single-turn periodic-async {single[0]:.2f}x")
     axes[0].axhline(1.0, color="#cccccc", lw=0.6)
-    axes[0].set(xscale="log", xlabel="latency p99, s (median 0.2 s)", ylabel="tokens/s vs sync-separated")
+    axes[0].set(xscale="log", xlabel="environment latency p99, s", ylabel="tokens/s vs sync-separated")
     for mode in dict.fromkeys(r["mode"] for r in curve):
         ls, color = styles.get(mode, ("-", None))
         mine = [r for r in curve if r["mode"] == mode]
