@@ -48,7 +48,6 @@ Writes
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import sys
@@ -62,12 +61,11 @@ from periodic_async.bench.protocol import SharedEngines, System, measure
 from periodic_async.config import RunConfig, SFTConfig, SFTRunConfig, load_config
 from periodic_async.data import load_examples, prompt_messages
 from periodic_async.engine import SamplingParams, make_engine, resolve_worker_backend
-from periodic_async.episode import EpisodeLimits, EpisodeRunner, GroupSpec, StreamingContinuer
 from periodic_async.episode.envs import CalculatorEnv, evaluate, format_number
 from periodic_async.episode.protocol import Environments
+from periodic_async.episode.sampler import EpisodeSampler
 from periodic_async.model import policy_tokenizer
 from periodic_async.pipeline import run
-from periodic_async.producer import episode_row
 from periodic_async.records import write_csv
 from periodic_async.sft import run_sft
 from periodic_async.trace import log_experiment, read_jsonl
@@ -138,15 +136,11 @@ def tool_use(cfg: RunConfig) -> dict:
     """Greedy episodes of the held-out questions (no latency), on an in-process engine (vLLM where
     the run's workers would be vLLM, else the built-in one): tool-use rate and accuracy."""
     backend = "vllm" if resolve_worker_backend(cfg.engine, cfg.model) == "vllm" else "local"
-    evals = load_examples(cfg.data, "eval")
-    specs = [GroupSpec(i, prompt_messages(e, [], cfg.data), episode_row(e), 1, i, f"e{i}") for i, e in enumerate(evals)]
-    limits = EpisodeLimits(cfg.env.max_turns, cfg.env.budget(cfg.engine), cfg.engine.max_tokens)
-    attempts = cfg.env.factory_kwargs.get("attempts", 1)
-    with make_engine(cfg.engine, cfg.model, backend=backend) as engine, StreamingContinuer(engine) as continuer:
-        tok = policy_tokenizer(cfg.model)
-        runner = EpisodeRunner(tok, continuer, Environments(CalculatorEnv.factory(attempts=attempts)),
-                               SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=0.0), limits, "plain")
-        episodes = [eps[0] for eps in asyncio.run(runner.run_groups(specs)).values()]
+    environments = Environments(CalculatorEnv.factory(attempts=cfg.env.factory_kwargs.get("attempts", 1)))
+    sampler = EpisodeSampler(policy_tokenizer(cfg.model), environments, cfg)
+    with make_engine(cfg.engine, cfg.model, backend=backend) as engine:
+        episodes = sampler.greedy(engine, load_examples(cfg.data, "eval"),
+                                  SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=0.0))
     n = len(episodes)
     return {"tool_use_rate": round(sum(ep.tool_calls > 0 for ep in episodes) / n, 4),
             "accuracy": round(sum(ep.env_reward or 0.0 for ep in episodes) / n, 4), "n": n}

@@ -53,7 +53,6 @@ the consumer by `stream()`, which never blocks forever (engine timeouts bound ge
 from __future__ import annotations
 
 import asyncio
-import math
 import queue
 import threading
 import time
@@ -62,13 +61,12 @@ from typing import Callable, Iterator, Sequence
 from periodic_async import grpo
 from periodic_async.config import RunConfig
 from periodic_async.parallel.affinity import pin_thread, starting_on
-from periodic_async.data import (DataError, Example, encode_prompts, extra_prompts, iteration_prompts,
-                                 prompt_messages, reward_kwargs, reward_prompt)
+from periodic_async.data import (Example, encode_prompts, extra_prompts, iteration_prompts, reward_kwargs,
+                                 reward_prompt)
 from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
-from periodic_async.episode import (Continuer, Environments, Episode, EpisodeLimits, EpisodeRunner, GroupSpec,
-                                    StreamingContinuer, WaveContinuer, episode_group)
-from periodic_async.episode.formats import make_format
+from periodic_async.episode import Environments, Episode, episode_group
 from periodic_async.episode.protocol import load_environments
+from periodic_async.episode.sampler import EpisodeSampler, episode_reward
 from periodic_async.episode.runner import gather
 from periodic_async.evaluate import accuracy_stats, per_task
 from periodic_async.group import Group
@@ -178,31 +176,14 @@ class Producer:
         self.params = SamplingParams.of(cfg.engine)
         self.greedy = SamplingParams(max_tokens=cfg.engine.max_tokens, temperature=0.0, stop=list(cfg.engine.stop))
         self.timeout_s = cfg.engine.timeout_s
-        self.environments = environments
-        """Episodes (env.*, or the TRL drop-in's environment_factory and tools): every group is G
-        episodes run by `EpisodeRunner`; None: single-turn groups."""
         if environments is None and cfg.env.enabled:
-            self.environments = load_environments(cfg.env)
-        if self.environments is not None:
-            self._setup_episodes(cfg, context)
-
-    def _setup_episodes(self, cfg: RunConfig, context: int | None) -> None:
-        """The episodes' limits and tool format, and what can be checked before the first episode:
-        the tool format against the chat template, every example's chat messages, and its
-        `environment` column under a dict factory (each a one-line error)."""
-        env = cfg.env
-        self.limits = EpisodeLimits(max_turns=env.max_turns, max_tokens=env.budget(cfg.engine),
-                                    max_turn_tokens=cfg.engine.max_tokens, call_timeout_s=env.call_timeout_s,
-                                    on_failure=env.on_failure, tool_exceptions=env.tool_exceptions,
-                                    context=context or 0)
-        self.tool_format = env.tool_format
-        make_format(self.tokenizer, self.tool_format, needs_tools=self.environments.has_tools)
-        for what, examples in (("training", self.examples), ("held-out", self.eval_examples)):
-            for i, e in enumerate(examples):
-                if isinstance(e.prompt, str):
-                    raise DataError(f"{what} example {i}: a text prompt; episodes need chat messages (a "
-                                    "conversational 'prompt', or the prompt template's)")
-                self.environments.name_for(episode_row(e), where=f"{what} example {i}")
+            environments = load_environments(cfg.env)
+        self.episodes = None if environments is None else EpisodeSampler(tokenizer, environments, cfg, shots, context)
+        """Episodes (env.*, or the TRL drop-in's environment_factory and tools): every group is G
+        episodes (episode/sampler.py); None: single-turn groups."""
+        if self.episodes is not None:
+            self.episodes.check(self.examples, "training")
+            self.episodes.check(self.eval_examples, "held-out")
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._prompt_ids:
@@ -270,7 +251,7 @@ class Producer:
             draws.drawn = len(first)
             every = self.trainer.eval_every
             evaluate = bool(every and version % every == 0 and version not in self.eval_results and self.eval_examples)
-            if self.environments is None:
+            if self.episodes is None:
                 self._rounds(iteration, version, draws, first, evaluate)
             else:
                 self._episode_rounds(iteration, version, draws, first, evaluate)
@@ -322,8 +303,9 @@ class Producer:
         submitted = time.time()
         batch, start = first, 0
         eval_texts: dict[int, str] = {}
-        with self._continuer() as continuer:
-            runner, greedy = self._runner(continuer, self.params), self._runner(continuer, self.greedy)
+        sampler = self.episodes
+        with sampler.continuer(self.engine) as continuer:
+            runner, greedy = sampler.runner(continuer, self.params), sampler.runner(continuer, self.greedy)
             while batch:  # one round; dynamic sampling: more rounds, each after the last one's groups
                 by_id = {r.request_id: (start + k, i, e) for k, (r, i, e) in enumerate(batch)}
                 filtered = 0
@@ -340,8 +322,8 @@ class Producer:
                     if keep:
                         self.queue.put(group)
 
-                specs = [self._spec(r.request_id, r.request_id, e, r.n, r.seed) for r, _, e in batch]
-                evals = self._eval_specs(iteration) if evaluate and start == 0 else []
+                specs = [sampler.spec(r.request_id, r.request_id, e, r.n, r.seed) for r, _, e in batch]
+                evals = sampler.greedy_specs(f"eval{iteration}", self.eval_examples) if evaluate and not start else []
                 _, held_out = asyncio.run(gather([runner.run_groups(specs, on_group), greedy.run_groups(evals)]))
                 eval_texts.update({i: eps[0].text for i, eps in held_out.items()})
                 start = draws.drawn
@@ -350,25 +332,6 @@ class Producer:
         self.generation_done.set()
         if eval_texts:
             self._score_eval(eval_texts, iteration, version)
-
-    def _continuer(self) -> Continuer:
-        """How episodes reach the engine: an in-process engine's batchers fed as turns arrive
-        (built-in, vLLM), else waves of generate() (Ray)."""
-        try:
-            return StreamingContinuer(self.engine)
-        except TypeError:
-            return WaveContinuer(self.engine)
-
-    def _runner(self, continuer: Continuer, params: SamplingParams) -> EpisodeRunner:
-        return EpisodeRunner(self.tokenizer, continuer, self.environments, params, self.limits, self.tool_format)
-
-    def _spec(self, key, request_id: str, example: Example, n: int, seed: int) -> GroupSpec:
-        return GroupSpec(key, prompt_messages(example, self.shots, self.data), episode_row(example), n, seed,
-                         request_id)
-
-    def _eval_specs(self, iteration: int) -> list[GroupSpec]:
-        """One greedy episode per held-out example (seed = its index, as single-turn held-out requests)."""
-        return [self._spec(i, f"eval{iteration}-{i}", e, 1, i) for i, e in enumerate(self.eval_examples)]
 
     def _score_episodes(self, episodes: list[Episode], key: str, index: int, example: Example, iteration: int,
                         version: int, submitted: float) -> Group:
@@ -393,7 +356,7 @@ class Producer:
             correct = self.accuracy_fn(prompts, texts, **columns)
         except Exception as e:
             raise RewardError(f"iteration {iteration}, prompt {index} (group {key}): {type(e).__name__}: {e}") from e
-        rewards = [_with_environment(float(r), ep) for r, ep in zip(scores, episodes, strict=True)]
+        rewards = [episode_reward(float(r), ep) for r, ep in zip(scores, episodes, strict=True)]
         advantages = grpo.group_advantages(rewards, mode=self.algorithm.advantage,
                                            eps=self.algorithm.advantage_eps).tolist()
         counts: dict[str, float] = {"episode/episodes": n,
@@ -442,10 +405,9 @@ class Producer:
         (the end of a run, when no iteration is generating)."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("producer: evaluate_now while an iteration is generating")
-        if self.environments is not None:
-            with self._continuer() as continuer:
-                episodes = self._runner(continuer, self.greedy).run(self._eval_specs(iteration))
-            return self._score_eval({i: eps[0].text for i, eps in episodes.items()}, iteration, self.engine.version)
+        if self.episodes is not None:
+            episodes = self.episodes.greedy(self.engine, self.eval_examples, self.greedy, f"eval{iteration}")
+            return self._score_eval(dict(enumerate(ep.text for ep in episodes)), iteration, self.engine.version)
         evals = self._eval_requests(iteration)
         texts = {evals[out.request_id][1]: out.samples[0].text
                  for out in self.engine.generate([r for r, _ in evals.values()])}
@@ -512,22 +474,4 @@ class Producer:
             timings={"submitted": submitted, "finished": max(e["finished"] for e in out.events),
                      "scored": t1, "reward_s": t1 - t0, "worker": out.worker},
         )
-
-
-def episode_row(example: Example) -> dict:
-    """What an environment's reset(**row) gets: the dataset row (TRL's datasets: the row as given,
-    `prompt` included), with the parsed `question` and `answer` for ours."""
-    if example.prompt is not None:
-        return dict(example.columns)
-    return {**example.columns, "question": example.question, "answer": example.answer}
-
-
-def _with_environment(reward: float, episode: Episode) -> float:
-    """An episode's reward: the reward functions' `reward` plus its environment's get_reward() (weight 1,
-    TRL's extra reward source; NaN, scored by no function, counts as 0 beside it); NaN when it failed."""
-    if episode.failure is not None:
-        return math.nan
-    if episode.env_reward is None:
-        return reward
-    return episode.env_reward + (0.0 if math.isnan(reward) else reward)
 
