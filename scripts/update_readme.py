@@ -157,6 +157,10 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                          "mode variant mean_iteration_s mean_iteration_s_min mean_iteration_s_max mean_generate_s "
                          "mean_train_s mean_drawn mean_filtered growth_vs_plain growth_min growth_max repeats "
                          "measured_iterations git_commit"),
+    "multiturn": ("multiturn.csv", "experiments/multiturn.sh",
+                  "p99_s mode tokens_per_s speedup_vs_sync_separated speedup_min speedup_max bound efficiency "
+                  "mean_iteration_s mean_generate_s mean_train_s single_turn_speedup target_met repeats git_commit"),
+    "multiturn_warm_start": ("multiturn_warm_start.csv", "experiments/multiturn.sh", None),
     "reward_curves_seed1": ("reward_curves_seed1/reward_curves_summary.csv",
                             "experiments/reward_curves.sh data.seed=1 --results results/reward_curves_seed1 "
                             "--figures figures/reward_curves_seed1",

@@ -382,6 +382,20 @@ def equivalence(rows: Rows) -> list[dict]:
     return out
 
 
+def multiturn(rows: Rows) -> list[dict]:
+    """Episodes with a slow tool (multiturn.csv): per latency spread and mode (key 'p99/mode') the
+    speed-up over sync-separated and its spread, the bound and the share of it reached; key 'pa':
+    periodic-async at the widest spread, with the single-turn speed-up at the same batch."""
+    out = [{"key": f"{r['p99_s']}/{r['mode']}", "p99_s": _f(r["p99_s"]), "mode": r["mode"],
+            "speedup": _f(r["speedup_vs_sync_separated"]), "speedup_min": _f(r["speedup_min"]),
+            "speedup_max": _f(r["speedup_max"]), "bound": _f(r["bound"]),
+            "single_turn": _f(r["single_turn_speedup"]) if r.get("single_turn_speedup") not in (None, "") else None}
+           for r in rows]
+    widest = max(r["p99_s"] for r in out)
+    pa = next(r for r in out if r["p99_s"] == widest and r["mode"] == "periodic-async")
+    return out + [{**pa, "key": "pa"}]
+
+
 def shared_async(rows: Rows) -> list[dict]:
     """Shared prompts and asynchrony together (shared_async*.csv, speed-ups over per-response
     sync-separated): key '' the speed-up of the shared prompt alone, asynchrony alone, both, and the
@@ -545,6 +559,7 @@ SUMMARIES: dict[str, tuple[Callable[..., list[dict]], tuple[tuple[str, ...], ...
     "rct": (reward_curves, (("reward_curves_real_time_summary.csv",),)),
     "tasks": (task_curves, (("reward_curves_tasks_summary.csv",),)),
     "eq": (equivalence, (("equivalence.csv",),)),
+    "mt": (multiturn, (("multiturn.csv",),)),
     "sa": (shared_async, (("shared_async.csv",),)),
     "sar": (shared_async, (("shared_async_real.csv",),)),
     "sim": (scaling, (("scaling_simulated.csv",),)),
