@@ -16,7 +16,7 @@ if [ "${QUICK:-0}" = 0 ] || [[ " $* " == *real-model* ]]; then   # the real-mode
   python -m periodic_async prepare-model smollm2-135m
 fi
 quick=(); [ "${QUICK:-0}" != 0 ] && quick=(--quick --settings long-prompt)
-if [ ! -f artifacts/sft-qwen2-1m/config.json ] && [ "${QUICK:-0}" = 0 ]; then
+if [ ! -f artifacts/sft-qwen2-1m/config.json ] && [ "${QUICK:-0}" = 0 ] && [[ " $* " != *" real-model "* ]]; then
   echo "[table2] no warm start in artifacts/sft-qwen2-1m: run 'bash experiments/warm_start.sh' first for the committed numbers"
 fi
 if [ "${QUICK:-0}" = 0 ] && [ $# = 0 ]; then

@@ -44,7 +44,7 @@ ALIASES = {"sm.spread": "speedup_vs_1_range"}  # PREFIX.COLUMN -> the column it 
 MINUTES, MIB, KILO, POINTS = "minutes", ("{:.1f}", 2 ** -20), ("{:.1f}k", 1e-3), ("{:+.1f}", 100)
 FORMATS = {  # COLUMN or PREFIX.COLUMN -> a str.format template, (template, scale) or MINUTES (as is if absent)
     **dict.fromkeys(("speedup_vs_sync_separated", "speedup_vs_sync_colocated", "bound", "bound_overlapped", "shared",
-                     "async", "both", "product", "speedup", "speedup_vs_1", "gain_half", "vs_colocated", "vs_sep",
+                     "async", "both", "product", "speedup", "speedup_vs_1", "gain_half", "vs_sep",
                      "vs_col", "micro_step_vs_full", "peak_rss_vs_full", "push_check_vs_full", "gen_vs_full",
                      "tokens_per_s_vs_full", "ratio_vs_policy_only", "sim.gain"), "{:.2f}x"),
     **dict.fromkeys(("speedup_vs_trl", "token_bound", "speedup_vs_per_response", "memory_ratio", "shared.speedup"),

@@ -465,9 +465,10 @@ def _shared_alone(file: str) -> float:
 
 READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
     ("docs/results.md", "TRL's GRPOTrainer with vLLM (min-max",
-     lambda: [r["trl_baseline"] for r in _t2_best()] == ["trl-grpo-vllm", "trl-grpo", "trl-grpo"]),
-    ("docs/results.md", "a separated deployment gives each phase one core while they overlap",
-     lambda: any(float(r["speedup_vs_sync_colocated"]) < 1 for r in _t2_best())),
+     lambda: {r["setting"]: r["trl_baseline"] for r in _t2_best()}
+     == {"real-model": "trl-grpo-vllm", "long-prompt": "trl-grpo", "short-prompt": "trl-grpo"}),
+    ("docs/results.md", "overlap at least makes up for splitting the cores",
+     lambda: all(float(r["speedup_vs_sync_colocated"]) >= 1 for r in _t2_best())),
     ("docs/results.md", "measured iteration per run",
      lambda: {r["measured_iterations"] for r in _t2_best()} - {""} == {"1"}),
     ("docs/results.md", "over sync-separated (runs", lambda: len(RUNS) > 1),

@@ -214,13 +214,11 @@ def mode_row(rows: Rows, mode: str) -> dict:
 
 def table2(rows: Rows) -> list[dict]:
     """Table 2 (table2_throughput.csv): periodic-async with the shared prompt per setting (key: the
-    setting); key '': the machines, measured iterations, and its speedups over
-    sync-colocated (a list over the settings)."""
+    setting); key '': the machines and measured iterations."""
     best = [r for r in rows if r["system"] == "periodic-async" and r["shared_prompt"] == "True"]
     out = [{**r, "key": r["setting"]} for r in best]
     return out + [{"key": "", "cpu": machines(best),
-                   "measured_iterations": sorted({r["measured_iterations"] for r in best} - {""}),
-                   "vs_colocated": [r["speedup_vs_sync_colocated"] for r in best if r["speedup_vs_sync_colocated"]]}]
+                   "measured_iterations": sorted({r["measured_iterations"] for r in best} - {""})}]
 
 
 def async_run(main: Rows, phases: Rows) -> list[dict]:
