@@ -475,7 +475,7 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
     ("docs/results.md", "On the CPU-tuned workload", lambda: (R / "async_speedup.csv").is_file()),
     ("docs/results.md", "measured iterations per run: not in the CSV (it predates the column)",
      lambda: all("measured_iterations" not in _read(R / f)[0] for f in
-                 [*RUNS, "async_speedup_real.csv", "shared_async.csv", "shared_async_real.csv"])),
+                 [*RUNS, "shared_async.csv"])),
     ("docs/results.md", "random-weight `qwen2-1m`, fp32",
      lambda: {r["model"] for r in _read(R / "shared_prompt.csv")} == {"qwen2-1m"}),
     ("docs/results.md", "of the bound); split", lambda: _gpu_of_bound("flex") > _gpu_of_bound("split")),
