@@ -37,7 +37,8 @@ CSVS = {  # prefix -> (CSV under results/, the columns whose values, '/'-joined,
     "tri": ("trimodel_cost.csv", ("variant",)), "ltri": ("lora_trimodel.csv", ("mode", "variant")),
     "lpush": ("lora_push.csv", ("engine", "mode")), "liter": ("lora_iteration.csv", ("variant", "mode")),
     "llearn": ("lora_learning.csv", ("kind",)), "lsweep": ("lora_learning.csv", ("kind", "chosen")),
-    "sm": ("scaling_measured.csv", ("system",)), "ws": ("weight_sync_collective.csv", ("preset", "path")),
+    "sm": ("scaling_measured.csv", ("system",)), "ds": ("dynamic_sampling.csv", ("mode", "variant")),
+    "mtc": ("multiturn.csv", ("p99_s", "mode")), "ws": ("weight_sync_collective.csv", ("preset", "path")),
 }
 LISTS = {"llearn"}  # prefixes whose row may be several rows: one value per row, ' / '-joined
 ALIASES = {"sm.spread": "speedup_vs_1_range"}  # PREFIX.COLUMN -> the column it reads
@@ -69,7 +70,7 @@ FORMATS = {  # COLUMN or PREFIX.COLUMN -> a str.format template, (template, scal
     "tcb.git_commit": "`{:.12}`", "soak.trainer": "{:.0f}", "soak.workers": "{:.0f}", "pytest_args": "`{}`",
     "preset": "`{}`", "weights_vs_one_model": "{:.3f}x", "lpush.bytes": MIB, "lr": "{:g}",
     "llearn.eval_accuracy_start": ("{:.1f}", 100), "llearn.eval_accuracy_end": ("{:.1f}", 100),
-    "validation_accuracy": "{:.0%}",
+    "validation_accuracy": "{:.0%}", "ds.mean_filtered": "{:.1f}", "mtc.single_turn_speedup": "{:.2f}x", "ds.mean_drawn": "{:.1f}",
 }
 
 
@@ -153,6 +154,14 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                             "task mode base_accuracy warm_start_accuracy eval_accuracy_end eval_stderr_end eval_n "
                             "iterations gain gain_stderr_paired ci95_low ci95_high max_abs_diff_vs_sync "
                             "mean_iteration_s mean_drawn mean_filtered cap_reached_iterations"),
+    "reward_curves_tasks_offpolicy": ("reward_curves_tasks_offpolicy/reward_curves_tasks_summary.csv",
+                                      "experiments/reward_curves_tasks.sh --tasks basic_arithmetic "
+                                      "--variants periodic-async,async-offpolicy "
+                                      "--results results/reward_curves_tasks_offpolicy "
+                                      "--figures figures/reward_curves_tasks_offpolicy "
+                                      "trainer.iterations=12 trainer.eval_every=4 data.num_eval=200",
+                                      "task mode base_accuracy warm_start_accuracy eval_accuracy_end eval_stderr_end "
+                                      "eval_n iterations gain gain_stderr_paired ci95_low ci95_high mean_iteration_s"),
     "dynamic_sampling": ("dynamic_sampling.csv", "experiments/async_speedup.sh --settings dynamic",
                          "mode variant mean_iteration_s mean_iteration_s_min mean_iteration_s_max mean_generate_s "
                          "mean_train_s mean_drawn mean_filtered growth_vs_plain growth_min growth_max repeats "

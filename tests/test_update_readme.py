@@ -476,6 +476,18 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
     ("docs/results.md", "measured iterations per run: not in the CSV (it predates the column)",
      lambda: all("measured_iterations" not in _read(R / f)[0] for f in
                  [*RUNS, "shared_async.csv"])),
+    ("docs/results.md", "about three quarters of the bound at every spread",
+     lambda: all(0.7 <= float(r["efficiency"]) <= 0.8 for r in _read(R / "multiturn.csv")
+                 if r["mode"] == "periodic-async")),
+    ("docs/results.md", "hides generation entirely",
+     lambda: all(float(r["efficiency"]) > 0.95 for r in _read(R / "multiturn.csv") if r["mode"] == "async-offpolicy")),
+    ("docs/results.md", "A third of the groups drawn were uninformative",
+     lambda: all(0.25 < float(r["mean_filtered"]) / float(r["mean_drawn"]) < 0.4
+                 for r in _read(R / "dynamic_sampling.csv") if r["variant"] == "dynamic")),
+    ("docs/results.md", "Dynamic sampling added about the same seconds to an",
+     lambda: (lambda t: abs((t["sync-separated", "dynamic"] - t["sync-separated", "plain"])
+                            - (t["periodic-async", "dynamic"] - t["periodic-async", "plain"])) < 0.3)(
+         {(r["mode"], r["variant"]): float(r["mean_iteration_s"]) for r in _read(R / "dynamic_sampling.csv")})),
     ("docs/results.md", "random-weight `qwen2-1m`, fp32",
      lambda: {r["model"] for r in _read(R / "shared_prompt.csv")} == {"qwen2-1m"}),
     ("docs/results.md", "of the bound); split", lambda: _gpu_of_bound("flex") > _gpu_of_bound("split")),
