@@ -114,3 +114,29 @@ def test_setup_env_prints_its_settings_once_and_usage_lists_them():
     for name in names:
         assert f"{name}={env[name]}" in printed, f"{name} is not printed with its value {env[name]!r}"
         assert f"`{name}`" in usage, f"docs/usage.md's Environment table lacks {name}"
+
+
+def test_experiment_outputs_do_not_make_a_commit_dirty(tmp_path):
+    """run_all.sh runs experiments one after another in one tree, each rewriting tracked CSVs and
+    figures: those must not stamp the next experiment's rows '-dirty'; a changed source file, or a
+    YAML input under results/, must."""
+    from periodic_async.records import changed_code
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+
+    for d in ("results/sub", "figures", "src"):
+        (tmp_path / d).mkdir(parents=True)
+    files = ["results/a.csv", "results/sub/t.jsonl", "figures/f.png", "results/costs.yaml", "src/m.py"]
+    for f in files:
+        (tmp_path / f).write_text("0\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init")
+    status = lambda: git("status", "--porcelain", "--untracked-files=no")  # noqa: E731
+    for f in files[:3]:
+        (tmp_path / f).write_text("1\n")
+    assert len(status().splitlines()) == 3 and changed_code(status()) == []
+    (tmp_path / "results/costs.yaml").write_text("1\n")
+    (tmp_path / "src/m.py").write_text("1\n")
+    assert sorted(changed_code(status())) == ["results/costs.yaml", "src/m.py"]

@@ -42,18 +42,32 @@ from typing import Any, Sequence
 import yaml
 
 
+OUTPUTS = ("results/", "figures/")
+"""Where experiments write their tables and figures: changes there are not code, so they never make
+a commit dirty (run_all.sh's experiments run one after another in one tree, each rewriting tracked
+CSVs that the next one would otherwise count as changes)."""
+OUTPUT_SUFFIXES = (".csv", ".png", ".jsonl")
+
+
+def changed_code(porcelain: str) -> list[str]:
+    """The changed paths of `git status --porcelain` output, less the experiments' outputs
+    (OUTPUTS' tables, figures and traces; a YAML there, e.g. measured device costs, is an input)."""
+    paths = [line[3:].split(" -> ")[-1].strip('"') for line in porcelain.splitlines() if line.strip()]
+    return [p for p in paths if not (p.startswith(OUTPUTS) and p.endswith(OUTPUT_SUFFIXES))]
+
+
 @functools.cache
 def git_commit() -> str:
-    """The git commit of the code this process runs (with '-dirty' when the tree had changes), or
-    'unknown'. Read once, at the first call, so that what the process writes itself (an experiment's
-    CSVs, rewritten before its last rows are stamped) never marks its own rows dirty."""
+    """The git commit of the code this process runs (with '-dirty' when the tree had changes other
+    than the experiments' outputs: `changed_code`), or 'unknown'. Read once, at the first call, so
+    that nothing the process writes itself marks its own rows dirty."""
     try:
         here = Path(__file__).resolve().parent
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                capture_output=True, text=True, timeout=10).stdout
+        return (sha + ("-dirty" if changed_code(status) else "")) if sha else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
