@@ -475,7 +475,7 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
     ("docs/results.md", "On the CPU-tuned workload", lambda: (R / "async_speedup.csv").is_file()),
     ("docs/results.md", "measured iterations per run: not in the CSV (it predates the column)",
      lambda: all("measured_iterations" not in _read(R / f)[0] for f in
-                 [*RUNS, "shared_async.csv"])),
+                 RUNS)),
     ("docs/results.md", "about three quarters of the bound at every spread",
      lambda: all(0.7 <= float(r["efficiency"]) <= 0.8 for r in _read(R / "multiturn.csv")
                  if r["mode"] == "periodic-async")),
