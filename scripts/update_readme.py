@@ -39,7 +39,8 @@ CSVS = {  # prefix -> (CSV under results/, the columns whose values, '/'-joined,
     "llearn": ("lora_learning.csv", ("kind",)), "lsweep": ("lora_learning.csv", ("kind", "chosen")),
     "sm": ("scaling_measured.csv", ("system",)), "ds": ("dynamic_sampling.csv", ("mode", "variant")),
     "mtc": ("multiturn.csv", ("p99_s", "mode")),
-    "rcto": ("reward_curves_tasks_offpolicy/reward_curves_tasks_summary.csv", ("mode",)), "ws": ("weight_sync_collective.csv", ("preset", "path")),
+    "rcto": ("reward_curves_tasks_offpolicy/reward_curves_tasks_summary.csv", ("mode",)),
+    "ws": ("weight_sync_collective.csv", ("preset", "path")),
 }
 LISTS = {"llearn"}  # prefixes whose row may be several rows: one value per row, ' / '-joined
 ALIASES = {"sm.spread": "speedup_vs_1_range"}  # PREFIX.COLUMN -> the column it reads
@@ -71,7 +72,8 @@ FORMATS = {  # COLUMN or PREFIX.COLUMN -> a str.format template, (template, scal
     "tcb.git_commit": "`{:.12}`", "soak.trainer": "{:.0f}", "soak.workers": "{:.0f}", "pytest_args": "`{}`",
     "preset": "`{}`", "weights_vs_one_model": "{:.3f}x", "lpush.bytes": MIB, "lr": "{:g}",
     "llearn.eval_accuracy_start": ("{:.1f}", 100), "llearn.eval_accuracy_end": ("{:.1f}", 100),
-    "validation_accuracy": "{:.0%}", "ds.mean_filtered": "{:.1f}", "mtc.single_turn_speedup": "{:.2f}x", "rcto.ci95_low": POINTS, "rcto.ci95_high": POINTS, "ds.mean_drawn": "{:.1f}",
+    "validation_accuracy": "{:.0%}", "ds.mean_filtered": "{:.1f}", "ds.mean_drawn": "{:.1f}",
+    "mtc.single_turn_speedup": "{:.2f}x", "rcto.ci95_low": POINTS, "rcto.ci95_high": POINTS,
 }
 
 

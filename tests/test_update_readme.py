@@ -483,7 +483,8 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
      lambda: all(float(r["efficiency"]) > 0.95 for r in _read(R / "multiturn.csv") if r["mode"] == "async-offpolicy")),
     ("docs/results.md", "the stale baseline learned no faster",
      lambda: (lambda g: g["async-offpolicy"] <= g["periodic-async"])(
-         {r["mode"]: float(r["gain"]) for r in _read(R / "reward_curves_tasks_offpolicy/reward_curves_tasks_summary.csv")})),
+         {r["mode"]: float(r["gain"])
+          for r in _read(R / "reward_curves_tasks_offpolicy/reward_curves_tasks_summary.csv")})),
     ("docs/results.md", "A third of the groups drawn were uninformative",
      lambda: all(0.25 < float(r["mean_filtered"]) / float(r["mean_drawn"]) < 0.4
                  for r in _read(R / "dynamic_sampling.csv") if r["variant"] == "dynamic")),
