@@ -18,7 +18,8 @@ Held-out accuracy (full credit, greedy, >= 200 held-out entries) every trainer.e
 iterations, with its standard error; the gain from version 0 to the end with the paired standard
 error (the same entries) and its 95% interval; the verdict says whether the interval excludes 0.
 
-Writes
+Writes (after every run, merged with the rows of the tasks and variants not run this time, which
+keep their values and git_commit)
   <results>/reward_curves_tasks.csv          one row per task, variant and iteration: reward_mean,
       accuracy (the batch, full credit), eval_accuracy / eval_stderr / eval_n, iteration_s, time_s,
       informative_frac (groups whose rewards differ, of all sampled), and with dynamic sampling
@@ -42,7 +43,7 @@ from periodic_async.bench.analysis import paired_gain_stderr
 from periodic_async.bench.cli import experiment_parser
 from periodic_async.bench.plots import plot_reward_curves
 from periodic_async.bench.protocol import SharedEngines
-from periodic_async.records import write_csv
+from periodic_async.records import read_csv, write_csv
 from periodic_async.config import RunConfig, SFTRunConfig, load_config
 from periodic_async.pipeline import run
 from periodic_async.sft import run_sft
@@ -136,7 +137,8 @@ def main(argv=None) -> None:
     ap = experiment_parser(__doc__, runs="runs/reward_curves_tasks", figures=True, overrides=True)
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, from {', '.join(TASKS)}")
     ap.add_argument("--variants", default=",".join(variant(*v) for v in VARIANTS),
-                    help="comma-separated, in this order (sync-separated first: the others are compared with it)")
+                    help="comma-separated, run in this order; each run's rows replace its earlier ones in the CSVs, "
+                         "beside the other tasks' and variants'")
     ap.add_argument("--config", default=str(HERE / "reward_curves_tasks.yaml"))
     ap.add_argument("--reuse", action="store_true",
                     help="keep the runs under --runs that finished (a stopped experiment resumes where it stopped)")
@@ -150,7 +152,8 @@ def main(argv=None) -> None:
     if len(chosen) != len([n for n in args.variants.split(",") if n]):
         raise SystemExit(f"--variants: {args.variants}; expected some of {', '.join(names)}")
     runs, res = Path(args.runs), Path(args.results)
-    curves, summary, figures = [], [], []
+    written: list[Path] = []
+    figures: dict[Path, None] = {}
     engines = SharedEngines()  # one per configuration; each run pushes its own initial weights
     try:
         for task in tasks:
@@ -175,7 +178,6 @@ def main(argv=None) -> None:
                     f"data.num_train={d.num_train}", "data.num_eval=0", f"sft.output_dir={warm}",
                     f"logging.wandb_mode={cfg.logging.wandb_mode}", *spec["sft"], *(QUICK_SFT if args.quick else [])]))
             # 3. RL from the warm start, every variant from one seed
-            task_rows: dict[str, list[dict]] = {}
             for mode, dynamic in chosen:
                 name = variant(mode, dynamic)
                 out = runs / task / name
@@ -184,27 +186,44 @@ def main(argv=None) -> None:
                     f"trainer.output_dir={out}"])
                 if not (args.reuse and (out / "summary.json").is_file()):
                     run(rl, engine=engines.get(rl))
-                task_rows[name] = curve_rows(task, name, out)
-                summary.append(summary_row(task, name, out, task_rows[name], base))
-                print(f"[reward_curves_tasks] {task} {name}: {summary[-1]['warm_start_accuracy']} -> "
-                      f"{summary[-1]['eval_accuracy_end']} (n={summary[-1]['eval_n']}), gain {summary[-1]['gain']} "
-                      f"+- {summary[-1]['gain_stderr_paired']}")
-            for s in summary:
-                if s["task"] == task:
-                    sync = variant("sync-separated", s["mode"].endswith("+dynamic"))
-                    if sync in task_rows:
-                        s["max_abs_diff_vs_sync"] = _max_abs_diff(task_rows[s["mode"]], task_rows[sync])
-            rows = [r for name in task_rows for r in task_rows[name]]
-            curves += rows
-            per_task = write_csv(res / f"reward_curves_tasks_{task}.csv", rows)
-            figures.append(plot_reward_curves(per_task, Path(args.figures) / f"reward_curves_tasks_{task}.png"))
+                rows = curve_rows(task, name, out)
+                s = summary_row(task, name, out, rows, base)
+                print(f"[reward_curves_tasks] {task} {name}: {s['warm_start_accuracy']} -> {s['eval_accuracy_end']} "
+                      f"(n={s['eval_n']}), gain {s['gain']} +- {s['gain_stderr_paired']}")
+                # after every run, so that a stopped experiment keeps what it finished
+                *written, figure = save(res, Path(args.figures), task, name, rows, s)
+                figures[figure] = None
     finally:
         engines.close()
-    written = [write_csv(res / "reward_curves_tasks.csv", curves),
-               write_csv(res / "reward_curves_tasks_summary.csv", summary)]
     for path in [*written, *figures]:
         print(f"wrote {path}")
-    log_experiment("reward_curves_tasks", written, figures)
+    log_experiment("reward_curves_tasks", written, list(figures))
+
+
+def _order(r: dict) -> tuple:
+    names = [variant(*v) for v in VARIANTS]
+    return (list(TASKS).index(r["task"]) if r["task"] in TASKS else len(TASKS),
+            names.index(r["mode"]) if r["mode"] in names else len(names), int(r.get("iteration") or 0))
+
+
+def save(res: Path, figures: Path, task: str, name: str, rows: list[dict], s: dict) -> list[Path]:
+    """Merge one run (its curve `rows`, its summary row `s`) into the CSVs under `res`: the rows of
+    every other task and variant, from an earlier invocation (`--tasks`/`--variants` pick a subset),
+    keep their values and their git_commit. Then each summary row of `task` gets its distance to the
+    sync-separated run of the same dynamic setting, and the task's figure is redrawn."""
+    curves_path, summary_path = res / "reward_curves_tasks.csv", res / "reward_curves_tasks_summary.csv"
+    old_curves = read_csv(curves_path) if curves_path.is_file() else []
+    old_summary = read_csv(summary_path) if summary_path.is_file() else []
+    curves = sorted([r for r in old_curves if (r["task"], r["mode"]) != (task, name)] + rows, key=_order)
+    summary = sorted([r for r in old_summary if (r["task"], r["mode"]) != (task, name)] + [s], key=_order)
+    by_mode = {m: [r for r in curves if (r["task"], r["mode"]) == (task, m)] for m in {r["mode"] for r in curves}}
+    for r in summary:
+        sync = variant("sync-separated", r["mode"].endswith("+dynamic"))
+        if r["task"] == task and by_mode.get(r["mode"]) and by_mode.get(sync):
+            r["max_abs_diff_vs_sync"] = _max_abs_diff(by_mode[r["mode"]], by_mode[sync])
+    per_task = write_csv(res / f"reward_curves_tasks_{task}.csv", [r for r in curves if r["task"] == task])
+    return [write_csv(curves_path, curves), write_csv(summary_path, summary),
+            plot_reward_curves(per_task, figures / f"reward_curves_tasks_{task}.png")]
 
 
 if __name__ == "__main__":
