@@ -203,6 +203,33 @@ def test_reward_curves_quick(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.slow
+def test_reward_curves_tasks_merges_each_run_into_the_csvs(tmp_path, tokenizer_dir):
+    """One variant at a time: a later invocation's run joins the CSVs beside the earlier one's rows
+    and another task's, which keep their values and commit; the distance to sync is filled in for a
+    run whose sync-separated partner came later (`--reuse` keeps the finished runs)."""
+    args = ["--quick", "--figures", str(tmp_path), *_common(tmp_path, tokenizer_dir), "--tasks", "basic_arithmetic"]
+    _run("reward_curves_tasks", *args, "--variants", "periodic-async")
+    summary = tmp_path / "reward_curves_tasks_summary.csv"
+    first = _rows(summary)
+    assert [(r["task"], r["mode"], r["max_abs_diff_vs_sync"]) for r in first] == [
+        ("basic_arithmetic", "periodic-async", "")]
+    other = {**first[0], "task": "gsm_symbolic", "gain": "0.5", "git_commit": "abc1234"}  # an earlier run's row
+    with summary.open("a") as f:
+        csv.DictWriter(f, fieldnames=list(other)).writerow(other)
+    _run("reward_curves_tasks", *args, "--variants", "sync-separated", "--reuse")
+    rows = {(r["task"], r["mode"]): r for r in _rows(summary)}
+    assert list(rows) == [("gsm_symbolic", "periodic-async"), ("basic_arithmetic", "sync-separated"),
+                          ("basic_arithmetic", "periodic-async")]  # TASKS' order, then VARIANTS'
+    assert (rows["gsm_symbolic", "periodic-async"]["gain"], rows["gsm_symbolic", "periodic-async"]["git_commit"]) == (
+        "0.5", "abc1234")
+    assert {k: v for k, v in rows["basic_arithmetic", "periodic-async"].items() if k != "max_abs_diff_vs_sync"} == {
+        k: v for k, v in first[0].items() if k != "max_abs_diff_vs_sync"}  # the reused run, unchanged
+    assert float(rows["basic_arithmetic", "periodic-async"]["max_abs_diff_vs_sync"]) == 0.0  # the modes' equality
+    curves = _rows(tmp_path / "reward_curves_tasks_basic_arithmetic.csv")
+    assert sorted({r["mode"] for r in curves}) == ["periodic-async", "sync-separated"]
+
+
+@pytest.mark.slow
 def test_table2_quick(tmp_path, tokenizer_dir):
     """TRL (with and without vLLM) and our three modes (shared prompt off and on) in the two
     tiny-model settings; TRL's own token counts equal ours on every batch."""
