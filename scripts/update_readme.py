@@ -74,6 +74,11 @@ FORMATS = {  # COLUMN or PREFIX.COLUMN -> a str.format template, (template, scal
     "llearn.eval_accuracy_start": ("{:.1f}", 100), "llearn.eval_accuracy_end": ("{:.1f}", 100),
     "validation_accuracy": "{:.0%}", "ds.mean_filtered": "{:.1f}", "ds.mean_drawn": "{:.1f}",
     "mtc.single_turn_speedup": "{:.2f}x", "rcto.ci95_low": POINTS, "rcto.ci95_high": POINTS,
+    **{f"tasks.{c}": POINTS for c in ("ci95_low", "ci95_high", "dyn_gain", "dyn_ci95_low", "dyn_ci95_high", "off_gain",
+                                      "off_ci95_low", "off_ci95_high")},
+    **{f"tasks.{c}": ("{:.1f}%", 100) for c in ("warm_start", "base", "pa_end", "sync_end", "dyn_eval_accuracy_end",
+                                                "off_eval_accuracy_end")},
+    "tasks.dyn_drawn": "{:.0f}", "tasks.dyn_filtered_share": "{:.0%}",
 }
 
 

@@ -103,6 +103,7 @@ def test_task_curves_need_matching_accuracy_and_a_gain_above_zero(tmp_path):
     met, and an end accuracy three standard errors from sync's is missed whatever the gain."""
     results = _results(tmp_path)
     path, pa = results / "reward_curves_tasks_summary.csv", {"task": "basic_arithmetic", "mode": "periodic-async"}
+    _write(path, [r for r in read_csv(path) if r["task"] == "basic_arithmetic"])  # one task: the worst is the headline
     _patch(path, pa, gain=0.04, ci95_low=0.0, ci95_high=0.08)
     assert _verdict("tasks", results)[1] == "**missed** by 0.000 (learning)"
     _patch(path, pa, ci95_low=0.01)
@@ -111,6 +112,12 @@ def test_task_curves_need_matching_accuracy_and_a_gain_above_zero(tmp_path):
     sync = next(r for r in read_csv(path) if r["mode"] == "sync-separated")
     _patch(path, pa, eval_accuracy_end=float(sync["eval_accuracy_end"]) + 3 * float(sync["eval_stderr_end"]))
     assert _verdict("tasks", results)[1].startswith("**missed**")
+    _patch(path, pa, eval_accuracy_end=sync["eval_accuracy_end"])
+    other = [{**r, "task": "gsm_symbolic", "gain": "0.01", "ci95_low": "-0.02", "ci95_high": "0.04"}
+             for r in read_csv(path)]
+    _write(path, read_csv(path) + other)  # a second task, missed: it is the headline, and the verdict
+    assert _verdict("tasks", results) == ("+1.0 points on gsm_symbolic (95% CI -2.0 to +4.0)",
+                                          "**missed** by 0.020 (learning)")
 
 
 def test_lora_within_noise_until_its_spread_misses(tmp_path):

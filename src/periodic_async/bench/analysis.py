@@ -516,7 +516,10 @@ def slowest_tests(rows: Rows, n: int = 10) -> list[dict]:
 def task_curves(summary: Rows) -> list[dict]:
     """The reasoning-gym learning runs (reward_curves_tasks_summary.csv): per task (key TASK) its
     sync-separated and periodic-async rows' end accuracies, periodic-async's `gap` to sync-separated
-    and the `slack` of two of sync's standard errors, its gain and 95% interval, and the warm start."""
+    and the `slack` of two of sync's standard errors, its gain and 95% interval, and the warm start;
+    where the task ran them, the gain, interval and end accuracy of periodic-async with dynamic
+    sampling (`dyn_*`, with its prompts drawn and share filtered per iteration) and of the off-policy
+    baseline (`off_*`)."""
     out = []
     for task in dict.fromkeys(r["task"] for r in summary):
         rows = {r["mode"]: r for r in summary if r["task"] == task}
@@ -527,6 +530,14 @@ def task_curves(summary: Rows) -> list[dict]:
                     "ci95_low": _f(pa["ci95_low"]), "ci95_high": _f(pa["ci95_high"]),
                     "warm_start": _f(pa["warm_start_accuracy"]), "base": _f(pa["base_accuracy"]),
                     "eval_n": pa["eval_n"], "iterations": pa["iterations"]})
+        for mode, short in (("periodic-async+dynamic", "dyn"), ("async-offpolicy", "off")):
+            if mode in rows:
+                out[-1] |= {f"{short}_{c}": _f(rows[mode][c]) for c in ("gain", "ci95_low", "ci95_high",
+                                                                        "eval_accuracy_end")}
+        if "periodic-async+dynamic" in rows:  # the share of drawn groups that dynamic sampling filtered
+            dyn = rows["periodic-async+dynamic"]
+            out[-1] |= {"dyn_drawn": _f(dyn["mean_drawn"]),
+                        "dyn_filtered_share": _f(dyn["mean_filtered"]) / _f(dyn["mean_drawn"])}
     return out
 
 
