@@ -53,8 +53,7 @@ HERE = Path(__file__).resolve().parent
 TASKS = {
     # GSM8K's templates: long worked solutions (answer_cot) to warm-start on and to generate
     "gsm_symbolic": {"task_config": {},
-                     "run": ["engine.max_tokens=192", "algorithm.prompts_per_iteration=8", "trainer.iterations=12",
-                             "trainer.eval_every=4", "data.num_eval=200"],
+                     "run": ["engine.max_tokens=192", "algorithm.prompts_per_iteration=8"],
                      "sft": ["sft.max_steps=100", "sft.batch_size=8", "sft.lr=3e-5", "sft.warmup_steps=10",
                              "sft.max_minutes=40"]},
     # the arithmetic family (the yaml says why this one): answers of a few tokens
