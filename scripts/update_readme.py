@@ -78,7 +78,8 @@ FORMATS = {  # COLUMN or PREFIX.COLUMN -> a str.format template, (template, scal
                                       "off_ci95_low", "off_ci95_high")},
     **{f"tasks.{c}": ("{:.1f}%", 100) for c in ("warm_start", "base", "pa_end", "sync_end", "dyn_eval_accuracy_end",
                                                 "off_eval_accuracy_end")},
-    "tasks.dyn_drawn": "{:.0f}", "tasks.dyn_filtered_share": "{:.0%}",
+    "tasks.dyn_drawn": "{:.0f}", "tasks.dyn_filtered_share": "{:.0%}", "tasks.informative": "{:.0%}",
+    "tasks.batch_accuracy": ("{:.1f}%", 100),
 }
 
 

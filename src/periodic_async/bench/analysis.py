@@ -513,13 +513,14 @@ def slowest_tests(rows: Rows, n: int = 10) -> list[dict]:
              "starts": ", ".join(f"{k}={r[k]}" for k in starts if r[k] != "0") or "-"} for r in rows[:n]]
 
 
-def task_curves(summary: Rows) -> list[dict]:
+def task_curves(summary: Rows, curves: Rows = ()) -> list[dict]:
     """The reasoning-gym learning runs (reward_curves_tasks_summary.csv): per task (key TASK) its
     sync-separated and periodic-async rows' end accuracies, periodic-async's `gap` to sync-separated
     and the `slack` of two of sync's standard errors, its gain and 95% interval, and the warm start;
     where the task ran them, the gain, interval and end accuracy of periodic-async with dynamic
     sampling (`dyn_*`, with its prompts drawn and share filtered per iteration) and of the off-policy
-    baseline (`off_*`)."""
+    baseline (`off_*`). From the per-iteration `curves` (reward_curves_tasks.csv), periodic-async's
+    mean share of informative groups (rewards not all equal) and of fully correct samples in its batches."""
     out = []
     for task in dict.fromkeys(r["task"] for r in summary):
         rows = {r["mode"]: r for r in summary if r["task"] == task}
@@ -538,6 +539,10 @@ def task_curves(summary: Rows) -> list[dict]:
             dyn = rows["periodic-async+dynamic"]
             out[-1] |= {"dyn_drawn": _f(dyn["mean_drawn"]),
                         "dyn_filtered_share": _f(dyn["mean_filtered"]) / _f(dyn["mean_drawn"])}
+        trained = [r for r in curves if (r["task"], r["mode"]) == (task, "periodic-async") and r["accuracy"] != ""]
+        if trained:
+            out[-1] |= {c: statistics.mean(_f(r[k]) for r in trained) for c, k in (
+                ("informative", "informative_frac"), ("batch_accuracy", "accuracy"))}
     return out
 
 
@@ -566,7 +571,7 @@ SUMMARIES: dict[str, tuple[Callable[..., list[dict]], tuple[tuple[str, ...], ...
                             ("reward_curves_seed1/reward_curves.csv",))),
     "rcr": (functools.partial(reward_curves, n=5), (("reward_curves_real_summary.csv",), ("reward_curves_real.csv",))),
     "rct": (reward_curves, (("reward_curves_real_time_summary.csv",),)),
-    "tasks": (task_curves, (("reward_curves_tasks_summary.csv",),)),
+    "tasks": (task_curves, (("reward_curves_tasks_summary.csv",), ("reward_curves_tasks.csv",))),
     "eq": (equivalence, (("equivalence.csv",),)),
     "mt": (multiturn, (("multiturn.csv",),)),
     "sa": (shared_async, (("shared_async.csv",),)),
