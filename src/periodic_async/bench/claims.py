@@ -191,7 +191,7 @@ def task_curves(results: Path) -> tuple[str, str]:
         low = r["ci95_low"]  # the interval must exclude 0, not touch it
         verdicts.append("**met**" if low > 0 else f"**missed** by {abs(low):.3f} (learning)")
     head = min(rows, key=lambda r: r["ci95_low"])
-    return (f"+{100 * head['gain']:.1f} points on {head['key']} (95% CI {100 * head['ci95_low']:+.1f} to "
+    return (f"{100 * head['gain']:+.1f} points on {head['key']} (95% CI {100 * head['ci95_low']:+.1f} to "
             f"{100 * head['ci95_high']:+.1f})", verdicts[worst(verdicts)])
 
 
