@@ -497,6 +497,9 @@ READINGS = [  # (document, its fixed sentence, what in results/ makes it true)
     ("docs/results.md", "a signal about format, not about the answer",  # mean rewards near 0.01: tagged, wrong
      lambda: all(float(r["reward_mean"]) < 0.05 for r in _read(R / "reward_curves_tasks_gsm_symbolic.csv")
                  if r["reward_mean"] != "")),
+    ("docs/results.md", "no run learns on this task",
+     lambda: all(float(r["ci95_low"]) < 0 < float(r["ci95_high"]) for r in _read(R / "reward_curves_tasks_summary.csv")
+                 if r["task"] == "gsm_symbolic")),
     ("docs/results.md", "so about half its groups are informative",
      lambda: 0.35 <= statistics.mean(float(r["informative_frac"]) for r in _read(R / "reward_curves_tasks.csv")
                                      if r["task"] == "basic_arithmetic" and r["informative_frac"] != "") <= 0.65),
