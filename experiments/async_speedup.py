@@ -31,10 +31,13 @@ in <results>/timeline/), figures/async_speedup.png; with a tag, each name carrie
 
 `dynamic` (the real-tasks issue's measurement): sync-separated and periodic-async, without and with
 dynamic sampling (algorithm.dynamic_sampling: more prompts of the same version are drawn until
-B groups whose rewards differ are trained), on balanced's workload, interleaved rounds; writes
-<results>/dynamic_sampling.csv (per mode and variant: iteration time, prompts drawn and groups
-filtered per iteration, and the iteration time's growth over the same mode without it) and
-nothing else. Under periodic asynchrony the extra draws overlap training on earlier groups.
+B groups whose rewards differ are trained), on balanced's deployment with two workloads
+(DYNAMIC_WORKLOADS: generation the longer phase, and training the longer phase), all eight
+systems in the same interleaved rounds; writes <results>/dynamic_sampling.csv (per workload, mode
+and variant: iteration time, phase times, prompts drawn and groups filtered per iteration, and the
+iteration time's growth over the same workload and mode without it) and nothing else. Under
+periodic asynchrony the extra draws generate while the trainer trains the groups already kept, so
+they are hidden where training is the longer phase, and add to the iteration where generation is.
 
 `lora` (beyond the paper): sync-separated and periodic-async, full fine-tuning and LoRA
 (bench/lora_setting.py, the merged push), on real-model's deployment at B=8, interleaved rounds;
@@ -87,7 +90,13 @@ LORA_VARIANTS = {"full": [], "lora": LORA_OVERRIDES}
 """The `lora` setting's systems: sync-separated and periodic-async, each with full fine-tuning and with LoRA."""
 DYNAMIC_VARIANTS = {"plain": [], "dynamic": ["algorithm.dynamic_sampling=true"]}
 """The `dynamic` setting's systems: sync-separated and periodic-async, without and with dynamic sampling
-(algorithm.max_draws_per_iteration left at its default)."""
+(algorithm.max_draws_per_iteration left at its default), on each of DYNAMIC_WORKLOADS."""
+DYNAMIC_WORKLOADS = {
+    "generation-bound": [],  # balanced's workload: generation about twice training
+    # the whole tri-model (a KL term: the reference forward; the old forward) and per-response
+    # attention: training about twice generation, on the same prompts, samples and groups
+    "training-bound": ["algorithm.beta=0.04", "algorithm.skip_old_forward=false", "algorithm.shared_prompt=false"],
+}
 PER_RESPONSE = {"real-model"}
 """Settings that also run sync-separated and periodic-async with algorithm.shared_prompt=false, in the
 same interleaved rounds: the paper's combined claim (shared prompt alone, asynchrony alone, both)
@@ -156,14 +165,14 @@ def write_lora_rows(res: dict, path: Path) -> list[dict]:
 
 
 def write_dynamic_rows(res: dict, path: Path) -> list[dict]:
-    """The `dynamic` setting's table: per mode and variant, the iteration time, the prompts drawn and
-    groups filtered per iteration, and the iteration time's growth with dynamic sampling (same mode,
-    paired rounds: dynamic / plain)."""
+    """The `dynamic` setting's table: per workload, mode and variant, the iteration time, the prompts
+    drawn and groups filtered per iteration, and the iteration time's growth with dynamic sampling
+    (same workload and mode, paired rounds: dynamic / plain)."""
     rows = []
     for name, r in res.items():
-        variant, mode = name.split("/")
-        growth = r.ratio(res[f"plain/{mode}"], "mean_iteration_s")
-        rows.append({"mode": mode, "variant": variant, **r.row(["mean_iteration_s"], 3),
+        workload, variant, mode = name.split("/")
+        growth = r.ratio(res[f"{workload}/plain/{mode}"], "mean_iteration_s")
+        rows.append({"workload": workload, "mode": mode, "variant": variant, **r.row(["mean_iteration_s"], 3),
                      **{k: round(r.stats(k).median, 3) for k in ("mean_generate_s", "mean_train_s", "mean_drawn",
                                                                  "mean_filtered")},
                      "growth_vs_plain": round(growth.median, 3), "growth_min": round(growth.min, 3),
@@ -171,7 +180,8 @@ def write_dynamic_rows(res: dict, path: Path) -> list[dict]:
                      **r.provenance()})
     write_csv(path, rows)
     for r in rows:
-        print(f"{r['variant']:7s} {r['mode']:15s} {r['mean_iteration_s']:7.2f} s/iteration, {r['mean_drawn']:.1f} "
+        print(f"{r['workload']:16s} {r['variant']:7s} {r['mode']:15s} {r['mean_iteration_s']:7.2f} s/iteration, "
+              f"{r['mean_drawn']:.1f} "
               f"drawn, {r['mean_filtered']:.1f} filtered (x{r['growth_vs_plain']:.2f} of plain)")
     print(f"[async_speedup] wrote {path}")
     return rows
@@ -208,9 +218,12 @@ def main(argv=None) -> list[dict]:
                           + [f"pipeline.mode={mode}", f"trainer.output_dir={args.runs}/{name}/{label}"])
         return System(label, lambda: run(cfg, engine=engines.get(cfg)), cfg)
 
-    if args.settings in ("lora", "dynamic"):
-        variants = LORA_VARIANTS if args.settings == "lora" else DYNAMIC_VARIANTS
-        systems = [system(f"{variant}/{mode}", mode, more) for variant, more in variants.items()
+    if args.settings == "lora":
+        systems = [system(f"{variant}/{mode}", mode, more) for variant, more in LORA_VARIANTS.items()
+                   for mode in MODES[:2]]
+    elif args.settings == "dynamic":
+        systems = [system(f"{workload}/{variant}/{mode}", mode, load + more)
+                   for workload, load in DYNAMIC_WORKLOADS.items() for variant, more in DYNAMIC_VARIANTS.items()
                    for mode in MODES[:2]]
     else:
         systems = [system(mode, mode, []) for mode in MODES]

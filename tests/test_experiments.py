@@ -99,15 +99,19 @@ def test_lora_iteration_is_a_setting_of_async_speedup(tmp_path):
 @pytest.mark.slow
 def test_dynamic_sampling_is_a_setting_of_async_speedup(tmp_path, tokenizer_dir):
     """`async_speedup.py --settings dynamic`: sync-separated and periodic-async without and with
-    dynamic sampling, in dynamic_sampling.csv: the growth of the iteration time over the same mode
-    without it, and the prompts drawn per iteration (at least B with it, exactly B without)."""
+    dynamic sampling on two workloads, in dynamic_sampling.csv: the growth of the iteration time over
+    the same workload and mode without it, and the prompts drawn per iteration (at least B with it,
+    exactly B without, the same in both modes of a workload)."""
     _run("async_speedup", "--quick", "--settings", "dynamic", "--figures", str(tmp_path),
          *_common(tmp_path, tokenizer_dir))
-    rows = {(r["variant"], r["mode"]): r for r in _rows(tmp_path / "dynamic_sampling.csv")}
-    assert set(rows) == {(v, m) for v in ("plain", "dynamic") for m in ("sync-separated", "periodic-async")}
-    assert all(float(rows[("plain", m)]["growth_vs_plain"]) == 1.0 for m in ("sync-separated", "periodic-async"))
-    assert {float(rows[("plain", m)]["mean_drawn"]) for m in ("sync-separated", "periodic-async")} == {8.0}
-    assert all(float(rows[("dynamic", m)]["mean_drawn"]) >= 8 for m in ("sync-separated", "periodic-async"))
+    rows = {(r["workload"], r["variant"], r["mode"]): r for r in _rows(tmp_path / "dynamic_sampling.csv")}
+    modes, workloads = ("sync-separated", "periodic-async"), ("generation-bound", "training-bound")
+    assert set(rows) == {(w, v, m) for w in workloads for v in ("plain", "dynamic") for m in modes}
+    assert all(float(rows[(w, "plain", m)]["growth_vs_plain"]) == 1.0 for w in workloads for m in modes)
+    assert {float(rows[(w, "plain", m)]["mean_drawn"]) for w in workloads for m in modes} == {8.0}
+    # the same prompts, samples and groups in both modes of a workload: the same draws
+    assert all(len({rows[(w, "dynamic", m)]["mean_drawn"] for m in modes}) == 1 for w in workloads)
+    assert float(rows[("generation-bound", "dynamic", "periodic-async")]["mean_drawn"]) >= 8
     assert not (tmp_path / "async_speedup_dynamic.csv").exists()  # the setting writes its own table alone
 
 
