@@ -106,6 +106,36 @@ def test_reward_is_the_tasks_own_verifier(task):
         accuracy.close()
 
 
+def test_every_reasoning_gym_task_loads_and_scores_as_its_verifier():
+    """Every task in reasoning-gym's registry (not only the two this repository measures): its
+    training and held-out entries load from the config, every column of an Example survives
+    JSON (rollouts.jsonl), and task_reward of the entry's own answer in tags equals
+    score_answer(extract_answer(.), entry) of reasoning-gym called directly, 1.0 wherever the
+    entry has an answer (some tasks have none: their verifier checks a solution). Negative control:
+    an empty answer in tags scores below the gold one on every task that has an answer."""
+    from reasoning_gym.factory import DATASETS
+
+    tasks = sorted(set(DATASETS) - {"composite"})  # composite: test_training_rollouts_rescore_with_reasoning_gym
+    assert len(tasks) >= 90
+    scored = 0
+    for task in tasks:
+        cfg = _data(task, **{"data.num_train": 2, "data.num_eval": 1}).data
+        train = load_examples(cfg, "train")
+        assert len(train) == 2 and len(load_examples(cfg, "eval")) == 1, task
+        json.dumps([e.columns for e in train])
+        entries = reasoning_gym.create_dataset(task, seed=cfg.seed, size=2)
+        gold = [f"<answer>{e['answer']}</answer>" for e in entries]
+        empty = ["<answer></answer>"] * 2
+        verifier = reasoning_gym.get_score_answer_fn(task)
+        got = task_reward(["p"] * 2, gold, **reward_kwargs(train))
+        assert got == [verifier(extract_answer(c), e) for c, e in zip(gold, entries)], task
+        if all(e["answer"] is not None for e in entries):
+            assert got == [1.0, 1.0], task
+            assert all(s < 1.0 for s in task_reward(["p"] * 2, empty, **reward_kwargs(train))), task
+            scored += 1
+    assert scored >= len(tasks) - 8
+
+
 def test_warm_start_targets_with_and_without_a_worked_solution(tokenizer):
     """The sft target is metadata['answer_cot'] then the tagged answer (gsm_symbolic), or the
     tagged answer alone (basic_arithmetic has no worked solution); tokenize_sft trains on it."""
