@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from periodic_async.config import EngineConfig, ModelConfig  # noqa: E402
-from periodic_async.engine import EngineError, Request, SamplingParams, make_engine  # noqa: E402
+from periodic_async.engine import EngineError, Feed, Request, SamplingParams, make_engine  # noqa: E402
 from periodic_async.engine.base import numpy_to_state, state_to_numpy  # noqa: E402
 from periodic_async.engine.batcher import sample_next  # noqa: E402
 from periodic_async.model import load_policy  # noqa: E402
@@ -84,6 +84,37 @@ def test_slot_refill_continuous_batching(model_cfg, tokenizer, ray_engine):
         received[o.request_id] = (time.time(), o)
     long_finished = received["long"][1].events[0]["finished"]
     assert received["short0"][0] < long_finished  # streamed while "long" was still decoding
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_fed_requests_join_the_running_call(backend, model_cfg, tokenizer, ray_engine):
+    """A request put on a Feed after the call's first output is generated in that call, admitted
+    before its last first-batch request finishes (the slot a finished group freed, not a wave after
+    the batch), with the tokens it gets when submitted up front (per-request seeds); the call ends
+    when the feed is closed and nothing is left. Negative control: a feed left open with nothing to
+    generate is an error, not a hang."""
+    engine = ray_engine if backend == "ray" else make_engine(EngineConfig(backend="local", max_num_seqs=4), model_cfg)
+    first = [req(tokenizer, "long", "a long one", max_tokens=60, ignore_eos=True, seed=9)]
+    first += [req(tokenizer, f"short{i}", f"short {i}", n=2, max_tokens=4, ignore_eos=True, seed=i) for i in range(3)]
+    extra = [req(tokenizer, f"extra{i}", f"extra {i}", n=2, max_tokens=6, ignore_eos=True, seed=20 + i)
+             for i in range(2)]
+    feed, outs = Feed(), {}
+    for out in engine.generate(first, feed):
+        outs[out.request_id] = out
+        if len(outs) == 1:
+            feed.put(extra)
+        if len(outs) == len(first) + len(extra):
+            feed.close()
+    assert set(outs) == {r.request_id for r in first + extra}
+    admitted = min(e["admitted"] for r in extra for e in outs[r.request_id].events)
+    assert admitted < max(e["finished"] for e in outs["long"].events)
+    assert list(outs)[-1] == "long"
+    together = {o.request_id: o for o in engine.generate(first + extra)}
+    tokens = lambda o: [s.token_ids for s in o.samples]  # noqa: E731
+    assert all(tokens(outs[r.request_id]) == tokens(together[r.request_id]) for r in first + extra)
+    with pytest.raises((RuntimeError, EngineError), match="feed is still open"):
+        list(engine.generate(first[1:2], Feed()))
+    assert len(list(engine.generate(first[1:2]))) == 1  # the engine is usable after the error
 
 
 def test_request_reproducible_across_workers(model_cfg, tokenizer, ray_engine):

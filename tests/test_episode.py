@@ -379,6 +379,38 @@ def test_environment_failures_during_feedback_and_reset(fp64, tokenizer):
     assert all(ep.failure.startswith("SlowVerifier.reset raised KeyError") and not ep.turns for ep in broken)
 
 
+class SlowOnZero(CalculatorEnv):
+    """A verifier that takes 1.5 s to answer question 0+3, and no time for the others."""
+
+    def feedback(self, reply):
+        if self.question == "0+3":
+            time.sleep(1.5)
+        return super().feedback(reply)
+
+
+@pytest.mark.parametrize("continuer", [StreamingContinuer, WaveContinuer])
+def test_groups_returned_by_on_group_start_at_once(fp64, tokenizer, continuer):
+    """run_groups starts the groups that on_group returns (dynamic sampling's replacements) in the
+    same call, beside the groups still running: a replacement for the fast group finishes before
+    the slow group (its environment waits 1.5 s), where a round after the first would finish
+    after it. Every group's episodes are returned, in the order the groups started."""
+    _, engine, _ = fp64
+    first, replacement = _specs(2), _specs(3)[2]
+    order = []
+
+    def on_group(key, episodes):
+        order.append(key)
+        return [replacement] if key == 1 else []
+
+    with continuer(engine) as cont:
+        runner = EpisodeRunner(tokenizer, cont, Environments(SlowOnZero.factory(attempts=3)), FEEDBACK_PARAMS,
+                               FEEDBACK_LIMITS, tool_format="plain")
+        got = runner.run(first, on_group)
+    assert list(got) == [0, 1, 2] and all(len(eps) == 3 for eps in got.values())
+    assert any(ep.feedback_turns for ep in got[0]), "the slow group must wait on its environment"
+    assert order == [1, 2, 0]
+
+
 def test_a_recorded_episode_is_encoded_back_from_its_messages(caller):
     """`encode_conversation` (the supervised warm start's input) turns the prompt and an episode's
     messages back into the episode's own ids and loss mask, tool turn included; the same episode

@@ -230,3 +230,28 @@ def test_the_drifting_hook_changes_later_turns(tokenizer_dir, tmp_path):
     assert set().union(*(ep.versions for ep in drifted)) == {0, 1}
     assert [ep.turns[0].token_ids for ep in clean] == [ep.turns[0].token_ids for ep in drifted]
     assert [ep.token_ids for ep in clean] != [ep.token_ids for ep in drifted]
+
+
+def test_dynamic_sampling_on_episodes_replaces_filtered_groups_at_once(tokenizer_dir, tmp_path):
+    """Episodes with dynamic sampling: every trained group is informative, each iteration trains
+    B, the positions drawn are 0..N-1, and sync-separated and periodic-async keep and filter the
+    same groups and reach the same weights (fp64, <= 1e-10). A filtered group's replacement starts
+    while the first B groups still run (not in a round after them). Negative control: groups were
+    filtered, so replacements happened."""
+    half = f"{HERE.parent / 'test_dynamic_sampling.py'}:half_informative"
+    runs = {m: _cfg(tmp_path, tokenizer_dir, m, **{"pipeline.mode": m, "algorithm.dynamic_sampling": True,
+                                                     "reward.functions": half})
+            for m in ("sync-separated", "periodic-async")}
+    for cfg in runs.values():
+        run(cfg)
+    rows = {m: read_rollouts(c.trainer.output_dir) for m, c in runs.items()}
+    key = lambda rs: {(r["iteration"], r["position"], r["filtered"]): by_prompt([r]) for r in rs}  # noqa: E731
+    assert key(rows["sync-separated"]) == key(rows["periodic-async"])
+    B = runs["periodic-async"].algorithm.prompts_per_iteration
+    for t in range(2):
+        mine = [r for r in rows["periodic-async"] if r["iteration"] == t]
+        trained = [r for r in mine if not r["filtered"]]
+        assert len(trained) == B and all(len(set(r["rewards"])) > 1 for r in trained)
+        assert sorted(r["position"] for r in mine) == list(range(len(mine))) and len(mine) > B
+    ws, wa = (checkpoint_weights(Path(c.trainer.output_dir) / "checkpoint") for c in runs.values())
+    assert max_abs_diff(ws, wa) <= 1e-10

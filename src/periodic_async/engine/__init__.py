@@ -2,6 +2,7 @@
 
     engine = make_engine(cfg.engine, cfg.model)          # 'local' | 'ray' | 'vllm'
     for out in engine.generate(requests): ...             # groups in completion order
+    for out in engine.generate(requests, feed): feed.put(more)  # requests joining the running call
     engine.update_weights(policy.state_dict(), version)   # at the iteration barrier
     (model.lora: each engine serves its own base and the pushed adapter, lora.py, vllm_lora.py)
 
@@ -25,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from periodic_async.engine.base import (Engine, EngineError, Request, RequestOutput, Sample, SamplingParams,
-                                        WeightSync, assign_workers)
+from periodic_async.engine.base import (Engine, EngineError, Feed, Request, RequestOutput, Sample,
+                                        SamplingParams, WeightSync, assign_workers)
 from periodic_async.lora import served_model
 
-__all__ = ["Engine", "EngineError", "Request", "RequestOutput", "Sample", "SamplingParams", "WeightSync",
+__all__ = ["Engine", "EngineError", "Feed", "Request", "RequestOutput", "Sample", "SamplingParams", "WeightSync",
            "assign_workers", "make_engine", "resolve_worker_backend"]
 
 VLLM_MIN_PARAMETERS = 50_000_000

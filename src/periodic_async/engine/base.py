@@ -4,7 +4,9 @@ A `Request` is one prompt asking for `n` samples (a GRPO group). An `Engine` str
 one `RequestOutput` per request as soon as its n samples are done, in completion order
 (the paper's producer), tagged with the weights `version` that sampled every token. The trainer
 pushes new weights with `update_weights` at the iteration barrier, never while a
-`generate` iterator is open, so no request ever mixes versions.
+`generate` iterator is open, so no request ever mixes versions. A `Feed` adds requests to a
+running `generate` (dynamic sampling's extra draws join the call as soon as they are drawn, in
+the slots that free up, instead of waiting for its last output).
 
 Behaviour log-probs: `Sample.logprobs[i]` is log_softmax(logits / T)[token_i], the log-prob
 of the sampled token under the tempered distribution (T = the request's temperature, 1 for
@@ -131,9 +133,12 @@ class Engine(ABC):
             self._active = False
 
     @abstractmethod
-    def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
+    def generate(self, requests: list[Request], feed: "Feed | None" = None) -> Iterator[RequestOutput]:
         """Yield each request once its n samples are done, in completion order. The work is
-        dispatched when iteration starts; closing the iterator early cancels what is left."""
+        dispatched when iteration starts; closing the iterator early cancels what is left. With a
+        `feed`, what the caller puts on it between two outputs is dispatched at once (the same
+        version: no push can happen while the call is open), and the call ends when the feed is
+        closed and every request is done; a feed left open with nothing to generate raises."""
 
     @abstractmethod
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
@@ -170,14 +175,47 @@ class Engine(ABC):
         self.close()
 
 
-def assign_workers(requests: list[Request], num_workers: int) -> list[int]:
+class Feed:
+    """Requests added to a running `generate` call by the thread that iterates it: `put` between
+    two of its outputs, `close` once nothing more will come (then the call ends when its last
+    request is done). Not thread-safe: the iterating thread is the only one that touches it."""
+
+    def __init__(self) -> None:
+        self._requests: list[Request] = []
+        self.closed = False
+
+    def put(self, requests: list[Request]) -> None:
+        if self.closed:
+            raise RuntimeError("Feed.put after close()")
+        self._requests.extend(requests)
+
+    def take(self) -> list[Request]:
+        """The requests put since the last take."""
+        out, self._requests = self._requests, []
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+    def idle_error(self) -> RuntimeError:
+        return RuntimeError("generate(): the feed is still open and nothing is left to generate "
+                            "(close the feed once no more requests will come)")
+
+
+def request_load(r: Request) -> int:
+    """A request's cost in dispatch: its samples times their token budget."""
+    return r.n * r.params.max_tokens
+
+
+def assign_workers(requests: list[Request], num_workers: int, load: list[int] | None = None) -> list[int]:
     """Deterministic dispatch at submit time: each request, in order, goes to the least-loaded
-    worker (load = sum of n * max_tokens already assigned; ties go to the lowest index)."""
-    load = [0] * num_workers
+    worker (load = sum of n * max_tokens already assigned, starting from `load`, which it updates;
+    ties go to the lowest index)."""
+    load = [0] * num_workers if load is None else load
     out = []
     for r in requests:
         w = min(range(num_workers), key=lambda i: (load[i], i))
-        load[w] += r.n * r.params.max_tokens
+        load[w] += request_load(r)
         out.append(w)
     return out
 

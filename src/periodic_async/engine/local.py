@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
-from periodic_async.engine.base import Engine, EngineError, Request, RequestOutput, assign_workers
+from periodic_async.engine.base import (Engine, EngineError, Feed, Request, RequestOutput, assign_workers,
+                                        request_load)
 from periodic_async.engine.batcher import ContinuousBatcher
 
 
@@ -35,15 +36,24 @@ class LocalEngine(Engine):
     def version(self) -> int:
         return self.workers[0].version
 
-    def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
+    def generate(self, requests: list[Request], feed: Feed | None = None) -> Iterator[RequestOutput]:
         with self._generating():
+            load = [0] * len(self.workers)  # outstanding n * max_tokens per worker: where a fed request goes
+            cost: dict[str, int] = {}
             try:
-                for w, r in zip(assign_workers(requests, len(self.workers)), requests):
-                    self.workers[w].submit([r])
-                while any(w.has_work for w in self.workers):
+                self._dispatch(requests, load, cost)
+                while True:
+                    if feed is not None:
+                        self._dispatch(feed.take(), load, cost)
+                    if not any(w.has_work for w in self.workers):
+                        if feed is None or feed.closed:
+                            break
+                        raise feed.idle_error()
                     for w in self.workers:
                         if w.has_work:
-                            yield from w.step()
+                            for out in w.step():
+                                load[out.worker] -= cost.pop(out.request_id)
+                                yield out
             except EngineError:
                 raise
             except Exception as e:
@@ -51,6 +61,11 @@ class LocalEngine(Engine):
             finally:
                 for w in self.workers:  # an abandoned iterator leaves nothing behind
                     w.reset()
+
+    def _dispatch(self, requests: list[Request], load: list[int], cost: dict[str, int]) -> None:
+        for w, r in zip(assign_workers(requests, len(self.workers), load), requests):
+            cost[r.request_id] = request_load(r)
+            self.workers[w].submit([r])
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
         self._idle("update_weights during generate() would mix versions")

@@ -28,8 +28,8 @@ import ray
 import torch
 from ray.util.placement_group import PlacementGroup
 
-from periodic_async.engine.base import (Engine, EngineError, Request, RequestOutput, WeightSync, assign_workers,
-                                        numpy_to_state, state_to_numpy)
+from periodic_async.engine.base import (Engine, EngineError, Feed, Request, RequestOutput, WeightSync,
+                                        assign_workers, numpy_to_state, request_load, state_to_numpy)
 from periodic_async.engine import resolve_worker_backend
 from periodic_async.engine.ray_cluster import Placement, actor_options, init_ray, offline_env, remove_group
 from periodic_async.parallel.affinity import available_cores, pin_process
@@ -66,9 +66,12 @@ def make_batcher(backend: str, model_cfg, max_num_seqs: int, worker: int, gpus: 
 
 
 class EngineWorker:
-    """Actor body: one batcher (`make_batcher`). max_concurrency=2 lets `abort` and `info` run
-    beside `generate`; a lock keeps a new `generate` (or `update_weights`) from overlapping the
-    tail of an aborted one, and `abort` names the call it stops so it cannot hit a later one."""
+    """Actor body: one batcher (`make_batcher`). max_concurrency=2 lets `abort`, `info`, `add` and
+    `finish` run beside `generate`; a lock keeps a new `generate` (or `update_weights`) from
+    overlapping the tail of an aborted one, and `abort` names the call it stops so it cannot hit a
+    later one. An open call (a generate() with a feed) takes the requests `add`ed to it between
+    steps, and ends once `finish`ed with nothing left: its requests were all returned, so nothing
+    `add`ed to it is in flight (the driver finishes a call only then)."""
 
     def __init__(self, model_cfg, max_num_seqs: int, worker: int, threads: int, backend: str = "batcher",
                  gpus: float = 0.0, kv_cache_gib: float = 1.0, cores: list[int] | None = None):
@@ -78,6 +81,9 @@ class EngineWorker:
         self.sync = ObjectStoreSync()
         self._lock = threading.Lock()
         self._aborted = -1
+        self._inbox = threading.Condition()  # an open call's added requests and its end
+        self._added: dict[int, list[Request]] = {}
+        self._finished: set[int] = set()
 
     def info(self) -> dict:
         """pid, version, threads, device, the cores it may run on (cpu_affinity), and the Ray node
@@ -87,18 +93,46 @@ class EngineWorker:
                     device=str(self.batcher.device), node_id=ray.get_runtime_context().get_node_id(),
                     node_ip=ray.util.get_node_ip_address())
 
-    def generate(self, requests: list[Request], call: int):
+    def generate(self, requests: list[Request], call: int, open_call: bool = False):
         with self._lock:
             self.batcher.submit(requests)
             try:
-                while self.batcher.has_work and self._aborted != call:
+                while self._aborted != call:
+                    if open_call:
+                        with self._inbox:
+                            if not self.batcher.has_work and not self._added.get(call) and call not in self._finished:
+                                self._inbox.wait(0.05)
+                            more, finished = self._added.pop(call, []), call in self._finished
+                        if more:
+                            self.batcher.submit(more)
+                    if not self.batcher.has_work:
+                        if not open_call or finished:
+                            break
+                        continue
                     for out in self.batcher.step():  # (Ray drives the generator with send(): no `yield from` a list)
                         yield out
             finally:
                 self.batcher.reset()
+                with self._inbox:
+                    self._added.pop(call, None)
+                    self._finished.discard(call)
+
+    def add(self, requests: list[Request], call: int) -> None:
+        """Requests joining the open call `call` (taken at its next step)."""
+        with self._inbox:
+            self._added.setdefault(call, []).extend(requests)
+            self._inbox.notify_all()
+
+    def finish(self, call: int) -> None:
+        """No more requests for the open call `call`: it ends once it has nothing left."""
+        with self._inbox:
+            self._finished.add(call)
+            self._inbox.notify_all()
 
     def abort(self, call: int) -> None:
         self._aborted = call
+        with self._inbox:
+            self._inbox.notify_all()
 
     def set_weight_sync(self, sync) -> None:
         """Receive weights through `sync` from now on (engine/collective.py joins its group here)."""
@@ -293,10 +327,10 @@ class RayEngine(Engine):
 
     # --- generation ----------------------------------------------------------------------
 
-    def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
+    def generate(self, requests: list[Request], feed: Feed | None = None) -> Iterator[RequestOutput]:
         with self._generating():
             self._calls += 1
-            call = _Call(self, requests, self._calls)
+            call = _Call(self, requests, self._calls, feed)
             try:
                 yield from call.outputs()
             finally:
@@ -362,10 +396,13 @@ class RayEngine(Engine):
 
 class _Call:
     """One generate() call: per worker, the requests it has not returned yet, its result stream,
-    the seconds it has been silent and the liveness ping in flight."""
+    the seconds it has been silent and the liveness ping in flight. With a feed, the call is open
+    on every worker it streams from: a fed request goes to the least-loaded worker (outstanding
+    n * max_tokens), `add`ed to its open stream or in a new one; once the feed is closed and
+    nothing is held, each open stream is `finish`ed and read to its end."""
 
-    def __init__(self, engine: RayEngine, requests: list[Request], call: int):
-        self.engine, self.call = engine, call
+    def __init__(self, engine: RayEngine, requests: list[Request], call: int, feed: Feed | None = None):
+        self.engine, self.call, self.feed = engine, call, feed
         self.held: dict[int, dict[str, Request]] = {}
         for w, r in zip(assign_workers(requests, len(engine.workers)), requests):
             self.held.setdefault(w, {})[r.request_id] = r
@@ -375,18 +412,66 @@ class _Call:
 
     def _stream(self, w: int):
         actor = self.engine.workers[w].actor
-        return actor.generate.options(num_returns="streaming").remote(list(self.held[w].values()), self.call)
+        return actor.generate.options(num_returns="streaming").remote(list(self.held[w].values()), self.call,
+                                                                      self.feed is not None)
+
+    def _take_feed(self) -> None:
+        """Dispatch what was put on the feed since the last output."""
+        more = self.feed.take() if self.feed is not None else []
+        if not more:
+            return
+        load = [sum(request_load(r) for r in self.held.get(w, {}).values()) for w in range(len(self.engine.workers))]
+        by_worker: dict[int, list[Request]] = {}
+        for w, r in zip(assign_workers(more, len(load), load), more):
+            self.held.setdefault(w, {})[r.request_id] = r
+            by_worker.setdefault(w, []).append(r)
+        for w, rs in by_worker.items():
+            if w in self.streams:
+                self.engine.workers[w].actor.add.remote(rs, self.call)
+            else:  # its stream ended (nothing held) or it had none: a new one, open
+                self.streams[w] = self._stream(w)
+                self.silent[w] = 0.0
+
+    def _finish(self) -> None:
+        """Feed closed, nothing held: end every open stream (each ends without another output)."""
+        for w, stream in list(self.streams.items()):
+            self.engine.workers[w].actor.finish.remote(self.call)
+            deadline = time.perf_counter() + self.engine.timeout_s
+            while True:
+                ready, _ = ray.wait([stream], num_returns=1, timeout=0.5)
+                if ready:
+                    try:
+                        out = ray.get(next(stream))
+                    except StopIteration:
+                        break
+                    except ray.exceptions.RayActorError:  # died after returning its requests: the next push finds it
+                        break
+                    except Exception as e:
+                        raise EngineError(_describe(e), w) from e
+                    raise EngineError(f"output {out.request_id} after its call was finished", w, [out.request_id])
+                if time.perf_counter() > deadline:
+                    raise EngineError(f"open call not ended {self.engine.timeout_s:.0f} s after finish", w)
+            del self.streams[w]
 
     def outputs(self) -> Iterator[RequestOutput]:
         """Each request's output as its worker streams it back, in completion order."""
         engine = self.engine
-        while self.streams:
+        while True:
+            self._take_feed()
+            if self.feed is None:
+                if not self.streams:
+                    break
+            elif not any(self.held.values()):
+                if not self.feed.closed:
+                    raise self.feed.idle_error()
+                self._finish()
+                break
             t = time.perf_counter()
             ready, _ = ray.wait(list(self.streams.values()), num_returns=1, timeout=0.5)
             waited = time.perf_counter() - t
             for w, stream in list(self.streams.items()):
                 if stream not in ready:
-                    self.silent[w] += waited
+                    self.silent[w] += waited if self.held.get(w) else 0.0  # an open call's idle worker is not late
                     continue
                 try:
                     out = ray.get(next(stream))
@@ -405,6 +490,7 @@ class _Call:
                 self.silent[w] = 0.0
                 self.pinged.pop(w, None)
                 yield out
+                self._take_feed()
             self._check_alive()
 
     def _died(self, w: int, e: Exception) -> None:
@@ -430,6 +516,9 @@ class _Call:
         """Timeout, and actor death not yet reported on the stream: a dead actor fails a ping at once."""
         timeout_s = self.engine.timeout_s
         for w in list(self.streams):
+            if not self.held.get(w):  # nothing asked of it (an open call between requests)
+                self.pinged.pop(w, None)
+                continue
             if self.silent[w] > timeout_s:
                 raise EngineError(f"no result for {timeout_s:.0f} s (timeout_s)", w, list(self.held[w]))
             if w in self.pinged:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from periodic_async.engine.base import Engine, EngineError, Request, RequestOutput, Sample
+from periodic_async.engine.base import Engine, EngineError, Feed, Request, RequestOutput, Sample
 from periodic_async.engine.vllm_lora import VLLMAdapter
 from periodic_async.lora import AdapterError
 
@@ -299,12 +299,19 @@ class VLLMEngine(Engine):
             raise EngineError("the vLLM engine is closed", 0)
         return self.batcher
 
-    def generate(self, requests: list[Request]) -> Iterator[RequestOutput]:
+    def generate(self, requests: list[Request], feed: Feed | None = None) -> Iterator[RequestOutput]:
         with self._generating():
             batcher = self._open()
             try:
                 batcher.submit(requests)
-                while batcher.has_work:
+                while True:
+                    if feed is not None and (more := feed.take()):
+                        requests = [*requests, *more]  # named in an error
+                        batcher.submit(more)
+                    if not batcher.has_work:
+                        if feed is None or feed.closed:
+                            break
+                        raise feed.idle_error()
                     yield from batcher.step()
             except EngineError:
                 raise

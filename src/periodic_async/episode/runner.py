@@ -80,15 +80,37 @@ class EpisodeRunner:
 
     # --- many groups --------------------------------------------------------------------------
     async def run_groups(self, specs: Sequence[GroupSpec],
-                         on_group: Callable[[Any, list[Episode]], None] | None = None) -> dict[Any, list[Episode]]:
-        """Every group concurrently; `on_group(key, episodes)` as each group finishes (completion order)."""
-        async def one(spec: GroupSpec):
-            episodes = await self.run_group(spec)
-            if on_group is not None:
-                on_group(spec.key, episodes)
-            return spec.key, episodes
+                         on_group: Callable[[Any, list[Episode]], Sequence[GroupSpec] | None] | None = None
+                         ) -> dict[Any, list[Episode]]:
+        """Every group concurrently; `on_group(key, episodes)` as each group finishes (completion
+        order), and the groups it returns (dynamic sampling's replacements) start at once, in the
+        same call. Returns {key: episodes} in the order the groups started; one that raises
+        cancels the others."""
+        started: list[GroupSpec] = []
+        results: dict[Any, list[Episode]] = {}
+        tasks: set[asyncio.Future] = set()
 
-        return dict(await gather([one(s) for s in specs]))
+        def start(more: Sequence[GroupSpec]) -> None:
+            started.extend(more)
+            tasks.update(asyncio.ensure_future(one(s)) for s in more)
+
+        async def one(spec: GroupSpec) -> None:
+            results[spec.key] = episodes = await self.run_group(spec)
+            if on_group is not None:
+                start(on_group(spec.key, episodes) or ())
+
+        start(specs)
+        try:
+            while tasks:
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                tasks.difference_update(done)
+                for t in done:
+                    t.result()
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        return {s.key: results[s.key] for s in started}
 
     def run(self, specs: Sequence[GroupSpec], on_group=None) -> dict[Any, list[Episode]]:
         """`run_groups` on a new event loop, from a thread that runs none (the producer's)."""
