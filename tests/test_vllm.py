@@ -169,11 +169,11 @@ def test_vllm_in_process_serves_a_fresh_thread(inproc, tokenizer):
 
 
 @pytest.mark.parametrize("where", ["in-process", "ray"])
-def test_vllm_fed_requests_join_the_running_call(where, inproc, ray_vllm, tokenizer):
+def test_vllm_fed_requests_join_the_running_call(where, request, tokenizer):
     """Requests put on a Feed after the first output are generated in the same call (vLLM's own
     scheduler, in process and in a Ray worker), every one returned once, the call ending when the
     feed is closed. Negative control: a feed left open with nothing to generate raises."""
-    engine = inproc if where == "in-process" else ray_vllm
+    engine = request.getfixturevalue("inproc" if where == "in-process" else "ray_vllm")
     first, extra = requests(tokenizer, n=3, prefix="f"), requests(tokenizer, n=2, prefix="x")
     feed, got = Feed(), []
     for out in engine.generate(first, feed):
