@@ -117,6 +117,41 @@ def test_fed_requests_join_the_running_call(backend, model_cfg, tokenizer, ray_e
     assert len(list(engine.generate(first[1:2]))) == 1  # the engine is usable after the error
 
 
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_feed_continuer_serves_turns_as_they_come(backend, model_cfg, tokenizer, ray_engine):
+    """FeedContinuer (episodes' path to every engine): one generate() call, requests put from the
+    caller's event loop while it runs; a turn sent after an earlier one's answer (and a wait, as an
+    environment takes) is served in the same call, with the tokens it gets alone; the engine takes
+    no push until the continuer is closed, and is free after. Negative control: a push while open
+    is refused."""
+    import asyncio
+
+    from periodic_async.episode import FeedContinuer
+
+    engine = ray_engine if backend == "ray" else make_engine(EngineConfig(backend="local", max_num_seqs=4), model_cfg)
+    first = req(tokenizer, "a-t0", "a first turn", n=2, max_tokens=6, ignore_eos=True, seed=1)
+    other = req(tokenizer, "b-t0", "another", n=2, max_tokens=30, ignore_eos=True, seed=2)
+
+    async def episodes(cont):
+        async def turn_after(out_a):
+            await asyncio.sleep(0.2)  # the environment
+            return await cont(req(tokenizer, "a-t1", f"then {len(out_a.samples[0].token_ids)}", max_tokens=5,
+                                  ignore_eos=True, seed=3))
+
+        out_a, out_b = await asyncio.gather(cont(first), cont(other))
+        return out_a, out_b, await turn_after(out_a)
+
+    with FeedContinuer(engine) as cont:
+        out_a, out_b, out_a1 = asyncio.run(episodes(cont))
+        with pytest.raises(RuntimeError):
+            engine.update_weights({}, engine.version + 1)
+        assert cont.requests == 3
+    alone = {o.request_id: o for o in engine.generate([first, other])}
+    assert [s.token_ids for s in out_a.samples] == [s.token_ids for s in alone["a-t0"].samples]
+    assert [s.token_ids for s in out_b.samples] == [s.token_ids for s in alone["b-t0"].samples]
+    assert len(out_a1.samples[0].token_ids) == 5 and out_a1.version == engine.version
+
+
 def test_request_reproducible_across_workers(model_cfg, tokenizer, ray_engine):
     """Sample k of a request depends only on (weights, prompt, params, seed, k): the same request
     alone on worker 0, on worker 1 behind a filler, and in a crowd (other slot, other batch

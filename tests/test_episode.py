@@ -17,7 +17,7 @@ from periodic_async.config import ModelConfig
 from periodic_async.engine import Request, SamplingParams
 from periodic_async.engine.local import LocalEngine
 from periodic_async.episode import (Environments, EpisodeError, EpisodeLimits, EpisodeRunner, GroupSpec, ProtocolError,
-                                    StreamingContinuer, WaveContinuer, episode_group, loss_mask_N, turn_seed)
+                                    FeedContinuer, WaveContinuer, episode_group, loss_mask_N, turn_seed)
 from periodic_async.episode.envs import CalculatorEnv, Latency
 from periodic_async.episode.formats import PlainTextFormat, encode_conversation, format_call
 from periodic_async.episode.record import ENV, MODEL, Episode, Turn
@@ -55,7 +55,7 @@ def fp64(tokenizer):
     engine = LocalEngine(copy.deepcopy(policy), tokenizer, max_num_seqs=6)
     envs = Environments(CalculatorEnv.factory(latency=Latency(scale=0.005), attempts=3))
     runs = {}
-    for name, cls in (("wave", WaveContinuer), ("streaming", StreamingContinuer)):
+    for name, cls in (("wave", WaveContinuer), ("feed", FeedContinuer)):
         with cls(engine) as cont:
             rec = Recording(cont)
             runner = EpisodeRunner(tokenizer, rec, envs, FEEDBACK_PARAMS, FEEDBACK_LIMITS, tool_format="plain")
@@ -78,7 +78,7 @@ def test_feedback_episodes_are_multi_turn_and_counted(fp64, tokenizer):
         assert ep.num_turns <= FEEDBACK_LIMITS.max_turns and len(ep.completion_ids) <= FEEDBACK_LIMITS.max_tokens
     assert {ep.truncated for ep in episodes} <= {None, "max_turns", "token_budget", "turn_length"}
     ids = {k: [ep.token_ids for ep in eps] for k, eps in runs["wave"][0].items()}
-    assert ids == {k: [ep.token_ids for ep in eps] for k, eps in runs["streaming"][0].items()}
+    assert ids == {k: [ep.token_ids for ep in eps] for k, eps in runs["feed"][0].items()}
 
 
 def test_token_in_token_out(fp64, tokenizer):
@@ -296,7 +296,7 @@ def caller(tokenizer_dir):
 
 def _tool_episode(caller, envs, **limits) -> Episode:
     engine, tok = caller
-    with StreamingContinuer(engine) as cont:
+    with FeedContinuer(engine) as cont:
         runner = EpisodeRunner(tok, cont, envs, SamplingParams(max_tokens=60, temperature=0.0),
                                EpisodeLimits(**{"max_turns": 4, "max_tokens": 300, "max_turn_tokens": 60, **limits}),
                                tool_format="plain")
@@ -388,7 +388,7 @@ class SlowOnZero(CalculatorEnv):
         return super().feedback(reply)
 
 
-@pytest.mark.parametrize("continuer", [StreamingContinuer, WaveContinuer])
+@pytest.mark.parametrize("continuer", [FeedContinuer, WaveContinuer])
 def test_groups_returned_by_on_group_start_at_once(fp64, tokenizer, continuer):
     """run_groups starts the groups that on_group returns (dynamic sampling's replacements) in the
     same call, beside the groups still running: a replacement for the fast group finishes before

@@ -209,7 +209,7 @@ def test_the_drifting_hook_changes_later_turns(tokenizer_dir, tmp_path):
     import asyncio
 
     from periodic_async.engine import SamplingParams
-    from periodic_async.episode import EpisodeLimits, EpisodeRunner, GroupSpec, StreamingContinuer
+    from periodic_async.episode import EpisodeLimits, EpisodeRunner, GroupSpec, FeedContinuer
     from periodic_async.episode.envs import CalculatorEnv
     from periodic_async.episode.protocol import Environments
 
@@ -220,7 +220,7 @@ def test_the_drifting_hook_changes_later_turns(tokenizer_dir, tmp_path):
         engine = LocalEngine.from_config(cfg.engine, cfg.model)
         if drift:
             engine.workers[0].__class__ = _Drifting
-        with StreamingContinuer(engine) as cont:
+        with FeedContinuer(engine) as cont:
             runner = EpisodeRunner(engine.workers[0].tokenizer, cont, Environments(CalculatorEnv.factory(attempts=3)),
                                    SamplingParams(max_tokens=12, stop=["e"]), EpisodeLimits(3, 120, 12),
                                    tool_format="plain")

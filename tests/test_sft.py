@@ -83,7 +83,7 @@ def test_sft_on_tool_episodes_teaches_the_call(tokenizer_dir, tmp_path):
     from periodic_async.config import ModelConfig
     from periodic_async.engine import SamplingParams
     from periodic_async.engine.local import LocalEngine
-    from periodic_async.episode import EpisodeLimits, EpisodeRunner, GroupSpec, StreamingContinuer
+    from periodic_async.episode import EpisodeLimits, EpisodeRunner, GroupSpec, FeedContinuer
     from periodic_async.episode.envs import CalculatorEnv, Latency
     from periodic_async.episode.protocol import Environments
 
@@ -106,7 +106,7 @@ def test_sft_on_tool_episodes_teaches_the_call(tokenizer_dir, tmp_path):
     def episode(model_dir: str):
         policy, tok = load_policy(ModelConfig(name_or_path=model_dir, tokenizer=str(tokenizer_dir)))
         envs = Environments(CalculatorEnv.factory(latency=Latency(scale=0.01)))
-        with StreamingContinuer(LocalEngine(policy.eval(), tok, max_num_seqs=2)) as cont:
+        with FeedContinuer(LocalEngine(policy.eval(), tok, max_num_seqs=2)) as cont:
             runner = EpisodeRunner(tok, cont, envs, SamplingParams(max_tokens=80, temperature=0.0),
                                    EpisodeLimits(max_turns=3, max_tokens=300, max_turn_tokens=80), tool_format="plain")
             spec = GroupSpec(0, [{"role": "user", "content": "What is 6*7?"}], {"answer": "42"}, 1, 0, "t")

@@ -27,7 +27,7 @@ its episodes at once, beside the groups still running.
 Episodes (the run has an environment or tools: `env.*`, or the TRL drop-in's `tools=` /
 `environment_factory`): the iteration's groups and the held-out ones (one greedy episode
 each) run concurrently as multi-turn episodes (episode/runner.py) through one
-continuer (the built-in and vLLM engines' batchers fed as turns arrive; Ray in waves), closed
+continuer (one generate() call on the engines, fed as turns arrive: episode/continuer.py), closed
 before the thread ends and so before the barrier's push. A group is scored and queued as its G
 episodes finish: every model turn must carry the iteration's version (else the run stops), the
 rewards are the reward functions' plus each environment's get_reward(), a failed episode's is

@@ -19,6 +19,7 @@ off-policy trainer can use them as its old log-probs. Why un-truncated: see
 from __future__ import annotations
 
 import copy
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -136,9 +137,9 @@ class Engine(ABC):
     def generate(self, requests: list[Request], feed: "Feed | None" = None) -> Iterator[RequestOutput]:
         """Yield each request once its n samples are done, in completion order. The work is
         dispatched when iteration starts; closing the iterator early cancels what is left. With a
-        `feed`, what the caller puts on it between two outputs is dispatched at once (the same
-        version: no push can happen while the call is open), and the call ends when the feed is
-        closed and every request is done; a feed left open with nothing to generate raises."""
+        `feed`, what is put on it is dispatched at the next step (the same version: no push can
+        happen while the call is open), and the call ends when the feed is closed and every request
+        is done; with nothing to generate and the feed open it calls `feed.idle()`."""
 
     @abstractmethod
     def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> float:
@@ -176,30 +177,51 @@ class Engine(ABC):
 
 
 class Feed:
-    """Requests added to a running `generate` call by the thread that iterates it: `put` between
-    two of its outputs, `close` once nothing more will come (then the call ends when its last
-    request is done). Not thread-safe: the iterating thread is the only one that touches it."""
+    """Requests added to a running `generate` call: `put` them at any time (from any thread),
+    `close` once nothing more will come; the call ends when the feed is closed and its last request
+    is done. An engine with nothing left to generate calls `idle()`: a waiting feed
+    (`wait=True`: episodes, whose next turns wait on environments) blocks until a request comes or
+    it is closed; otherwise the feed's owner iterates the call itself (the producer), so an open
+    feed with nothing to generate can never be fed again: an error, not a hang."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait: bool = False) -> None:
+        self.wait = wait
+        self._cond = threading.Condition()
         self._requests: list[Request] = []
         self.closed = False
 
     def put(self, requests: list[Request]) -> None:
-        if self.closed:
-            raise RuntimeError("Feed.put after close()")
-        self._requests.extend(requests)
+        with self._cond:
+            if self.closed:
+                raise RuntimeError("Feed.put after close()")
+            self._requests.extend(requests)
+            self._cond.notify_all()
 
     def take(self) -> list[Request]:
         """The requests put since the last take."""
-        out, self._requests = self._requests, []
-        return out
+        with self._cond:
+            out, self._requests = self._requests, []
+            return out
 
     def close(self) -> None:
-        self.closed = True
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
 
-    def idle_error(self) -> RuntimeError:
-        return RuntimeError("generate(): the feed is still open and nothing is left to generate "
-                            "(close the feed once no more requests will come)")
+    def drained(self) -> bool:
+        """Closed, and every request put was taken: the call may end once its requests are done."""
+        with self._cond:
+            return self.closed and not self._requests
+
+    def idle(self) -> None:
+        """The engine has nothing to generate and the feed is open: wait for a request or the close
+        (a waiting feed), or raise."""
+        with self._cond:
+            if not self.wait and not self._requests and not self.closed:
+                raise RuntimeError("generate(): the feed is still open and nothing is left to generate "
+                                   "(close the feed once no more requests will come)")
+            while not self._requests and not self.closed:
+                self._cond.wait()
 
 
 def request_load(r: Request) -> int:

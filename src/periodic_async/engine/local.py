@@ -46,9 +46,10 @@ class LocalEngine(Engine):
                     if feed is not None:
                         self._dispatch(feed.take(), load, cost)
                     if not any(w.has_work for w in self.workers):
-                        if feed is None or feed.closed:
+                        if feed is None or feed.drained():
                             break
-                        raise feed.idle_error()
+                        feed.idle()
+                        continue
                     for w in self.workers:
                         if w.has_work:
                             for out in w.step():

@@ -462,12 +462,15 @@ class _Call:
                 if not self.streams:
                     break
             elif not any(self.held.values()):
-                if not self.feed.closed:
-                    raise self.feed.idle_error()
-                self._finish()
-                break
+                if self.feed.drained():
+                    self._finish()
+                    break
+                self.feed.idle()
+                continue
             t = time.perf_counter()
-            ready, _ = ray.wait(list(self.streams.values()), num_returns=1, timeout=0.5)
+            # a waiting feed's requests come from another thread: look at it often
+            ready, _ = ray.wait(list(self.streams.values()), num_returns=1,
+                                timeout=0.02 if self.feed is not None and self.feed.wait else 0.5)
             waited = time.perf_counter() - t
             for w, stream in list(self.streams.items()):
                 if stream not in ready:

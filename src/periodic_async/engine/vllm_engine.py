@@ -309,9 +309,10 @@ class VLLMEngine(Engine):
                         requests = [*requests, *more]  # named in an error
                         batcher.submit(more)
                     if not batcher.has_work:
-                        if feed is None or feed.closed:
+                        if feed is None or feed.drained():
                             break
-                        raise feed.idle_error()
+                        feed.idle()
+                        continue
                     yield from batcher.step()
             except EngineError:
                 raise

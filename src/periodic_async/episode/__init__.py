@@ -18,7 +18,7 @@ run has an environment or tools (the `env` section, or the TRL drop-in's `tools=
 `environment_factory`), the trainer takes `episode_group`'s loss mask (docs/episodes.md).
 """
 
-from periodic_async.episode.continuer import Continuer, StreamingContinuer, WaveContinuer
+from periodic_async.episode.continuer import Continuer, FeedContinuer, WaveContinuer
 from periodic_async.episode.formats import (PlainTextFormat, TemplateFormat, ToolCall, encode_conversation, format_call,
                                            make_format)
 from periodic_async.episode.pack import EpisodeGroup, episode_group, loss_mask_N
@@ -27,7 +27,7 @@ from periodic_async.episode.record import Episode, EpisodeError, EpisodeLimits, 
 from periodic_async.episode.runner import EpisodeRunner, GroupSpec, turn_seed
 from periodic_async.episode.sampler import EpisodeSampler, episode_reward, episode_row
 
-__all__ = ["Continuer", "StreamingContinuer", "WaveContinuer", "PlainTextFormat", "TemplateFormat", "ToolCall",
+__all__ = ["Continuer", "FeedContinuer", "WaveContinuer", "PlainTextFormat", "TemplateFormat", "ToolCall",
            "encode_conversation", "format_call", "make_format", "EpisodeGroup", "episode_group", "loss_mask_N",
            "Environments", "ProtocolError", "tool_schema", "Episode", "EpisodeError", "EpisodeLimits", "Turn",
            "EpisodeRunner", "GroupSpec", "turn_seed", "EpisodeSampler", "episode_reward", "episode_row"]

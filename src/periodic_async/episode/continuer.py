@@ -8,13 +8,13 @@ their behaviour log-probs, finish reasons and the weights version, as for single
 Every engine already takes prompts as token ids (`Request.prompt_ids`), so no engine change is
 needed to continue an episode; two adapters drive the engines as they are:
 
-- `WaveContinuer(engine)`: any `Engine` (built-in, Ray, vLLM) through `engine.generate`. A turn
-  that becomes ready while a generate() call runs waits for it to end and goes with the next
-  wave: environment latency still overlaps generation, but a short turn can wait for a long one.
-- `StreamingContinuer(engine)`: an in-process engine's batchers (`LocalEngine.workers`,
-  `VLLMEngine.batcher`: `submit` / `step` / `has_work`) stepped in one thread, each request
-  admitted at the next step after it arrives. It holds the engine busy (no weight push, as
-  during generate()) from `open()` to `close()`.
+- `WaveContinuer(engine)`: any `Engine` through `engine.generate`. A turn that becomes ready
+  while a generate() call runs waits for it to end and goes with the next wave: environment
+  latency still overlaps generation, but a short turn can wait for a long one.
+- `FeedContinuer(engine)`: an engine whose generate() takes a `Feed` (built-in, vLLM, Ray):
+  one generate() call from `open()` to `close()`, each request put on its waiting feed as it
+  comes and admitted at the engine's next step (a Ray worker's call stays open). It holds the
+  engine busy (no weight push, as during generate()) until closed.
 
 Both run the engine in a thread of their own and resolve each request's future on the caller's
 event loop; an engine error fails every request it held. The built-in engine's samples do not
@@ -25,10 +25,11 @@ turn's prefill cost only its new ids, the built-in engine prefills the whole con
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from typing import Protocol
 
-from periodic_async.engine.base import Engine, Request, RequestOutput
+from periodic_async.engine.base import Engine, Feed, Request, RequestOutput
 
 
 class Continuer(Protocol):
@@ -136,53 +137,43 @@ class WaveContinuer(_Driver):
                 self._resolve(waiting, error=e)
 
 
-class StreamingContinuer(_Driver):
-    """An in-process engine's batchers, requests admitted as they come (module docstring)."""
+class FeedContinuer(_Driver):
+    """One generate() call fed as requests come (module docstring)."""
 
     def __init__(self, engine: Engine):
         super().__init__(engine)
-        batchers = getattr(engine, "workers", None) or [getattr(engine, "batcher", None)]
-        if not all(hasattr(b, "submit") and hasattr(b, "step") for b in batchers):
-            raise TypeError(f"StreamingContinuer: {type(engine).__name__} has no in-process batchers "
-                            "(LocalEngine, VLLMEngine); use WaveContinuer")
-        self.batchers = batchers
-        self._busy = None
+        if "feed" not in inspect.signature(engine.generate).parameters:
+            raise TypeError(f"FeedContinuer: {type(engine).__name__}.generate takes no feed; use WaveContinuer")
+        self._feed = Feed(wait=True)
+        self._waiting: dict[str, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
 
-    def open(self) -> "StreamingContinuer":
-        if self._busy is None:
-            self._busy = self.engine._generating()  # no push or probe while episodes run
-            self._busy.__enter__()
-        return super().open()
+    async def __call__(self, request: Request) -> RequestOutput:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("FeedContinuer is closed")
+            if self._error is not None:
+                raise RuntimeError(f"FeedContinuer stopped on an engine error: {self._error}")
+            self._waiting[request.request_id] = (fut, loop)
+            self.requests += 1
+        self._feed.put([request])
+        self.open()
+        return await fut
 
     def close(self) -> None:
+        self._feed.close()  # the call ends once what it holds is done
         super().close()
-        if self._busy is not None:
-            self._busy.__exit__(None, None, None)
-            self._busy = None
 
     def _loop(self) -> None:
-        waiting: dict = {}
-        load = [0] * len(self.batchers)
-        owner: dict[str, tuple[int, int]] = {}  # request id -> (worker, its load)
         try:
-            while True:
-                batch = self._take(block=not any(b.has_work for b in self.batchers))
-                if batch is None:
-                    break
-                for r, fut, loop in batch:  # the least-loaded worker, ties to the lowest index
-                    w = min(range(len(self.batchers)), key=lambda i: (load[i], i))
-                    owner[r.request_id] = (w, r.n * r.params.max_tokens)
-                    load[w] += owner[r.request_id][1]
-                    waiting[r.request_id] = (fut, loop)
-                    self.batchers[w].submit([r])
-                for b in self.batchers:
-                    if b.has_work:
-                        for out in b.step():
-                            w, cost = owner.pop(out.request_id)
-                            load[w] -= cost
-                            self._resolve(waiting, out, request_id=out.request_id)
+            for out in self.engine.generate([], self._feed):
+                with self._wake:
+                    entry = self._waiting.pop(out.request_id, None)
+                if entry is not None:
+                    self._resolve({out.request_id: entry}, out)
         except BaseException as e:  # noqa: BLE001 - every waiting episode hears of it
-            self._fail(waiting, e)
-        finally:
-            for b in self.batchers:
-                b.reset()
+            with self._wake:
+                self._error = e
+                waiting, self._waiting = self._waiting, {}
+            self._resolve(waiting, error=e)

@@ -5,8 +5,8 @@ and scores.
 `EpisodeSampler` holds a run's episode settings (the `env` section's limits and tool format, the
 environments, the few-shot prefix and prompt template) and turns them into the runner's inputs:
 one `GroupSpec` per request (the request's id, G and seed unchanged: a group of episodes is seeded
-as its single-turn request would be), the continuer on an engine (an in-process engine's batchers
-fed as turns arrive, else waves of generate()), and an `EpisodeRunner` per sampling setting.
+as its single-turn request would be), the continuer on an engine (one generate() call fed as turns
+arrive, else waves of generate()), and an `EpisodeRunner` per sampling setting.
 
 Guarantees: the tool format is checked against the chat template at construction, and every
 example by `check` before the first episode (chat messages; under a dict factory, the
@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from periodic_async.config import RunConfig
 from periodic_async.data import DataError, Example, prompt_messages
 from periodic_async.engine.base import Engine, SamplingParams
-from periodic_async.episode.continuer import Continuer, StreamingContinuer, WaveContinuer
+from periodic_async.episode.continuer import Continuer, FeedContinuer, WaveContinuer
 from periodic_async.episode.formats import make_format
 from periodic_async.episode.protocol import Environments
 from periodic_async.episode.record import Episode, EpisodeLimits
@@ -75,11 +75,11 @@ class EpisodeSampler:
 
     @staticmethod
     def continuer(engine: Engine) -> Continuer:
-        """How episodes reach `engine`: an in-process engine's batchers fed as turns arrive
-        (built-in, vLLM), else waves of generate() (Ray). A context manager: close it before the
-        engine's weights change."""
+        """How episodes reach `engine`: one generate() call fed as turns arrive (the built-in, vLLM
+        and Ray engines), else waves of generate() (an engine whose generate takes no feed). A
+        context manager: close it before the engine's weights change."""
         try:
-            return StreamingContinuer(engine)
+            return FeedContinuer(engine)
         except TypeError:
             return WaveContinuer(engine)
 
