@@ -358,11 +358,17 @@ def extra_prompts(examples: list[Example], iteration: int, batch: int, seed: int
     prompts): a shuffle of the training set of its own per iteration, without the iteration's
     prompts (cycled if `count` is larger). A pure function of its arguments, so the later
     iterations' prompts and a resume are unchanged by how many an iteration drew."""
-    taken = {i for i, _ in iteration_prompts(examples, iteration, batch, seed)}
-    order = list(range(len(examples)))
-    random.Random(f"extra-draws:{seed}:{iteration}").shuffle(order)
-    rest = [i for i in order if i not in taken] or order
+    taken = frozenset(i for i, _ in iteration_prompts(examples, iteration, batch, seed))
+    rest = _extra_order(len(examples), seed, iteration, taken)
     return [rest[k % len(rest)] for k in range(count)]
+
+
+@functools.lru_cache(maxsize=4)
+def _extra_order(n: int, seed: int, iteration: int, taken: frozenset[int]) -> tuple[int, ...]:
+    """The iteration's shuffle without its prompts: computed once, not at every filtered group."""
+    order = list(range(n))
+    random.Random(f"extra-draws:{seed}:{iteration}").shuffle(order)
+    return tuple(i for i in order if i not in taken) or tuple(order)
 
 
 @functools.lru_cache(maxsize=4)
