@@ -122,9 +122,9 @@ class _Draws:
         self.kept += 1
         return True
 
-    def more(self, filtered: int) -> int:
-        """The draws that replace `filtered` groups: one each, within the cap."""
-        return max(0, min(filtered, self.cap - self.drawn))
+    def more(self) -> int:
+        """The draws that replace a filtered group: one, within the cap."""
+        return 1 if self.drawn < self.cap else 0
 
     @property
     def cap_reached(self) -> bool:
@@ -286,7 +286,7 @@ class Producer:
                 group.timings["position"] = position  # draw (dataset) order, for the sync modes
                 if draws.add(group, self.algorithm.dynamic_sampling):
                     kept = group
-                elif extra := self.extra_requests(iteration, draws.drawn, draws.more(1)):  # filtered: one more draw
+                elif extra := self.extra_requests(iteration, draws.drawn, draws.more()):  # filtered: one more draw
                     more, more_by_id = self._requests(extra, draws.drawn)
                     by_id.update(more_by_id)
                     draws.drawn += len(extra)
@@ -327,7 +327,7 @@ class Producer:
             if draws.add(group, self.algorithm.dynamic_sampling):
                 self.queue.put(group)
                 return []
-            extra = self.extra_requests(iteration, draws.drawn, draws.more(1))  # filtered: one more draw
+            extra = self.extra_requests(iteration, draws.drawn, draws.more())  # filtered: one more draw
             more = specs(extra, draws.drawn)
             draws.drawn += len(extra)
             return more
