@@ -175,31 +175,35 @@ def test_plan_command(capsys):
 # --- against real runs of this repository ----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def measured_runs(ray_session, tokenizer_dir, tmp_path_factory):
-    """Two tiny real runs (sync-separated, periodic-async; 1 Ray engine worker, 1 trainer thread),
-    4 iterations each, the first left out: a few seconds each."""
+def measure_runs(ray_session, tokenizer_dir, tmp_path_factory):
+    """Measures two tiny real runs (sync-separated, periodic-async; 1 Ray engine worker, 1 trainer
+    thread), 4 iterations each, the first left out: a few seconds each. A function, so that the
+    test can measure again."""
     from periodic_async.config import RunConfig, load_config
     from periodic_async.engine import make_engine
     from periodic_async.pipeline import run
 
-    tmp = tmp_path_factory.mktemp("sim")
-    base = {"model.tokenizer": str(tokenizer_dir), "data.num_train": 256, "data.num_eval": 0,
-            "reward.functions": DIVERSITY_REWARD, "engine.backend": "ray",
-            "engine.num_workers": 1, "engine.max_num_seqs": 8, "engine.max_tokens": 24, "engine.stop": "e",
-            "algorithm.group_size": 4, "algorithm.prompts_per_iteration": 12, "algorithm.micro_batch_tokens": 96,
-            "trainer.iterations": 4, "trainer.eval_at_end": False, "logging.wandb_mode": "disabled",
-            "logging.progress": False,
-            "trainer.threads_after_generation": 0}  # the simulator models a trainer of fixed size
-    cfgs = {m: load_config(RunConfig, None, [f"{k}={v}" for k, v in {**base, "pipeline.mode": m,
-                                                                     "trainer.output_dir": str(tmp / m)}.items()])
-            for m in ("sync-separated", "periodic-async")}
-    engine = make_engine(cfgs["sync-separated"].engine, cfgs["sync-separated"].model)
-    try:
-        for cfg in cfgs.values():
-            run(cfg, engine=engine)
-    finally:
-        engine.close()
-    return {m: load_run(tmp / m) for m in cfgs}
+    def measure() -> dict[str, MeasuredRun]:
+        tmp = tmp_path_factory.mktemp("sim")
+        base = {"model.tokenizer": str(tokenizer_dir), "data.num_train": 256, "data.num_eval": 0,
+                "reward.functions": DIVERSITY_REWARD, "engine.backend": "ray",
+                "engine.num_workers": 1, "engine.max_num_seqs": 8, "engine.max_tokens": 24, "engine.stop": "e",
+                "algorithm.group_size": 4, "algorithm.prompts_per_iteration": 12, "algorithm.micro_batch_tokens": 96,
+                "trainer.iterations": 4, "trainer.eval_at_end": False, "logging.wandb_mode": "disabled",
+                "logging.progress": False,
+                "trainer.threads_after_generation": 0}  # the simulator models a trainer of fixed size
+        cfgs = {m: load_config(RunConfig, None, [f"{k}={v}" for k, v in {**base, "pipeline.mode": m,
+                                                                         "trainer.output_dir": str(tmp / m)}.items()])
+                for m in ("sync-separated", "periodic-async")}
+        engine = make_engine(cfgs["sync-separated"].engine, cfgs["sync-separated"].model)
+        try:
+            for cfg in cfgs.values():
+                run(cfg, engine=engine)
+        finally:
+            engine.close()
+        return {m: load_run(tmp / m) for m in cfgs}
+
+    return measure
 
 
 TOLERANCE = 0.30
@@ -207,19 +211,33 @@ TOLERANCE = 0.30
 last a fraction of a second per iteration on a shared 2-core machine."""
 
 
-def test_simulator_matches_measured(measured_runs):
-    runs = list(measured_runs.values())
-    costs = fit_costs(runs, host_cores=os.cpu_count())
+def _simulation_errors(measured_runs: dict[str, MeasuredRun]) -> list[str]:
+    """What misses the tolerance: in sample (both runs calibrate), and out of sample (calibrated
+    on sync-separated alone, whose phases are measured one at a time, the simulator predicts
+    the overlap of periodic-async, with the contention of two busy workers unknown)."""
+    errors = []
+    costs = fit_costs(list(measured_runs.values()), host_cores=os.cpu_count())
+    assert math.isfinite(costs.contention)
     for name, r in measured_runs.items():
         assert len(r.iterations) == 3
         sim = statistics.median(s.iteration_s for s in simulate_measured(r, costs))
         meas = statistics.median(it.metrics["time/iteration_s"] for it in r.iterations)
-        assert abs(sim / meas - 1) <= TOLERANCE, f"{name}: simulated {sim:.3f}s, measured {meas:.3f}s"
-    # Out of sample: calibrated on sync-separated alone (phases measured one at a time), the
-    # simulator predicts the overlap of periodic-async, with the contention of two busy workers unknown.
+        if abs(sim / meas - 1) > TOLERANCE:
+            errors.append(f"{name}: simulated {sim:.3f}s, measured {meas:.3f}s")
     sync_only = fit_costs([measured_runs["sync-separated"]], host_cores=os.cpu_count())
     r = measured_runs["periodic-async"]
     sim = statistics.median(s.iteration_s for s in simulate_measured(r, sync_only))
     meas = statistics.median(it.metrics["time/iteration_s"] for it in r.iterations)
-    assert abs(sim / meas - 1) <= 2 * TOLERANCE, f"out of sample: simulated {sim:.3f}s, measured {meas:.3f}s"
-    assert math.isfinite(costs.contention)
+    if abs(sim / meas - 1) > 2 * TOLERANCE:
+        errors.append(f"out of sample: simulated {sim:.3f}s, measured {meas:.3f}s")
+    return errors
+
+
+def test_simulator_matches_measured(measure_runs):
+    # The default suite runs two test processes on two cores: a load that changes between the
+    # two runs (the other process starting or ending a test) moves one run's times and not the
+    # other's, which no calibration can fit. A miss is measured once more; two misses fail.
+    errors = _simulation_errors(measure_runs())
+    if errors:
+        errors = _simulation_errors(measure_runs())
+    assert not errors, "; ".join(errors)
