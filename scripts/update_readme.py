@@ -37,7 +37,7 @@ CSVS = {  # prefix -> (CSV under results/, the columns whose values, '/'-joined,
     "tri": ("trimodel_cost.csv", ("variant",)), "ltri": ("lora_trimodel.csv", ("mode", "variant")),
     "lpush": ("lora_push.csv", ("engine", "mode")), "liter": ("lora_iteration.csv", ("variant", "mode")),
     "llearn": ("lora_learning.csv", ("kind",)), "lsweep": ("lora_learning.csv", ("kind", "chosen")),
-    "sm": ("scaling_measured.csv", ("system",)), "ds": ("dynamic_sampling.csv", ("mode", "variant")),
+    "sm": ("scaling_measured.csv", ("system",)), "ds": ("dynamic_sampling.csv", ("workload", "mode", "variant")),
     "mtc": ("multiturn.csv", ("p99_s", "mode")),
     "rcto": ("reward_curves_tasks_offpolicy/reward_curves_tasks_summary.csv", ("mode",)),
     "ws": ("weight_sync_collective.csv", ("preset", "path")),
@@ -172,9 +172,9 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                                       "task mode base_accuracy warm_start_accuracy eval_accuracy_end eval_stderr_end "
                                       "eval_n iterations gain gain_stderr_paired ci95_low ci95_high mean_iteration_s"),
     "dynamic_sampling": ("dynamic_sampling.csv", "experiments/async_speedup.sh --settings dynamic",
-                         "mode variant mean_iteration_s mean_iteration_s_min mean_iteration_s_max mean_generate_s "
-                         "mean_train_s mean_drawn mean_filtered growth_vs_plain growth_min growth_max repeats "
-                         "measured_iterations git_commit"),
+                         "workload mode variant mean_iteration_s mean_iteration_s_min mean_iteration_s_max "
+                         "mean_generate_s mean_train_s mean_drawn mean_filtered growth_vs_plain growth_min growth_max "
+                         "repeats measured_iterations git_commit"),
     "multiturn": ("multiturn.csv", "experiments/multiturn.sh",
                   "p99_s mode tokens_per_s speedup_vs_sync_separated speedup_min speedup_max bound efficiency "
                   "mean_iteration_s mean_generate_s mean_train_s single_turn_speedup target_met repeats git_commit"),
