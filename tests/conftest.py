@@ -1,6 +1,6 @@
 """Shared fixtures and hooks: an offline environment (never the hub, W&B online or another Ray
 cluster), one tokenizer built per test session, one torch thread, one Ray instance per test
-process (shared by the modules that use Ray), the longest modules first, collection's objects
+process (shared by the modules that use Ray), the longest modules first (as last measured), collection's objects
 frozen out of the garbage collector's scans.
 What test modules share besides fixtures (the tiny run, engine requests, the vLLM tests' checks)
 is in tests/helpers.py; the test-cost recorder of scripts/test_costs.py is tests/cost_plugin.py."""
@@ -74,16 +74,26 @@ def ray_session(_ray_until_the_end):
 # --- the order: the longest modules first (under pytest-xdist, whole modules go to whichever worker is free:
 # longest first keeps one long module from running alone at the end) -------------------------------------------
 
-LONGEST_FIRST = ["test_vllm", "test_examples", "test_run_all", "test_engine", "test_pipeline", "test_sft",
-                 "test_multinode", "test_prepare", "test_distributed", "test_bench", "test_episode", "test_notebooks",
-                 "test_checkpoint", "test_trl_api", "test_simulate", "test_engine_faults", "test_cli",
-                 "test_affinity", "test_update_readme", "test_security"]
-"""Modules by their measured time in the default suite (results/test_costs.csv), longest first."""
+def _module_seconds() -> dict[str, float]:
+    """Each module's seconds in the last measured default suite (results/test_costs.csv, written by
+    scripts/test_costs.py); empty without it."""
+    import csv
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "results" / "test_costs.csv"
+    seconds: dict[str, float] = {}
+    if path.is_file():
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                module = Path(row["test"].split("::")[0]).stem
+                seconds[module] = seconds.get(module, 0.0) + float(row["seconds"])
+    return seconds
 
 
 def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a module's own order is kept
+    """Longest modules first by their measured seconds; a module not yet measured after them all."""
+    seconds = _module_seconds()
+    items.sort(key=lambda item: -seconds.get(item.path.stem, 0.0))  # stable: a module's own order is kept
 
 
 def pytest_collection_finish(session):
