@@ -39,7 +39,6 @@ CSVS = {  # prefix -> (CSV under results/, the columns whose values, '/'-joined,
     "llearn": ("lora_learning.csv", ("kind",)), "lsweep": ("lora_learning.csv", ("kind", "chosen")),
     "sm": ("scaling_measured.csv", ("system",)), "ds": ("dynamic_sampling.csv", ("workload", "mode", "variant")),
     "mtc": ("multiturn.csv", ("p99_s", "mode")),
-    "rcto": ("reward_curves_tasks_offpolicy/reward_curves_tasks_summary.csv", ("mode",)),
     "ws": ("weight_sync_collective.csv", ("preset", "path")),
 }
 LISTS = {"llearn"}  # prefixes whose row may be several rows: one value per row, ' / '-joined
@@ -73,11 +72,10 @@ FORMATS = {  # COLUMN or PREFIX.COLUMN -> a str.format template, (template, scal
     "preset": "`{}`", "weights_vs_one_model": "{:.3f}x", "lpush.bytes": MIB, "lr": "{:g}",
     "llearn.eval_accuracy_start": ("{:.1f}", 100), "llearn.eval_accuracy_end": ("{:.1f}", 100),
     "validation_accuracy": "{:.0%}", "ds.mean_filtered": "{:.1f}", "ds.mean_drawn": "{:.1f}",
-    "mtc.single_turn_speedup": "{:.2f}x", "rcto.ci95_low": POINTS, "rcto.ci95_high": POINTS,
-    **{f"tasks.{c}": POINTS for c in ("ci95_low", "ci95_high", "dyn_gain", "dyn_ci95_low", "dyn_ci95_high", "off_gain",
-                                      "off_ci95_low", "off_ci95_high")},
+    "mtc.single_turn_speedup": "{:.2f}x",
+    **{f"tasks.{p}{c}": POINTS for p in ("", "dyn_", "sdyn_", "off_") for c in ("gain", "ci95_low", "ci95_high")},
     **{f"tasks.{c}": ("{:.1f}%", 100) for c in ("warm_start", "base", "pa_end", "sync_end", "dyn_eval_accuracy_end",
-                                                "off_eval_accuracy_end")},
+                                                "sdyn_eval_accuracy_end", "off_eval_accuracy_end")},
     "tasks.dyn_drawn": "{:.0f}", "tasks.dyn_filtered_share": "{:.0%}", "tasks.informative": "{:.0%}",
     "tasks.batch_accuracy": ("{:.1f}%", 100),
 }
@@ -163,14 +161,6 @@ TABLES = {  # marker -> (csv under results/, script that writes it, columns show
                             "task mode base_accuracy warm_start_accuracy eval_accuracy_end eval_stderr_end eval_n "
                             "iterations gain gain_stderr_paired ci95_low ci95_high max_abs_diff_vs_sync "
                             "mean_iteration_s mean_drawn mean_filtered cap_reached_iterations"),
-    "reward_curves_tasks_offpolicy": ("reward_curves_tasks_offpolicy/reward_curves_tasks_summary.csv",
-                                      "experiments/reward_curves_tasks.sh --tasks basic_arithmetic "
-                                      "--variants periodic-async,async-offpolicy "
-                                      "--results results/reward_curves_tasks_offpolicy "
-                                      "--figures figures/reward_curves_tasks_offpolicy "
-                                      "trainer.iterations=12 trainer.eval_every=4 data.num_eval=200",
-                                      "task mode base_accuracy warm_start_accuracy eval_accuracy_end eval_stderr_end "
-                                      "eval_n iterations gain gain_stderr_paired ci95_low ci95_high mean_iteration_s"),
     "dynamic_sampling": ("dynamic_sampling.csv", "experiments/async_speedup.sh --settings dynamic",
                          "workload mode variant mean_iteration_s mean_iteration_s_min mean_iteration_s_max "
                          "mean_generate_s mean_train_s mean_drawn mean_filtered growth_vs_plain growth_min growth_max "

@@ -517,10 +517,11 @@ def task_curves(summary: Rows, curves: Rows = ()) -> list[dict]:
     """The reasoning-gym learning runs (reward_curves_tasks_summary.csv): per task (key TASK) its
     sync-separated and periodic-async rows' end accuracies, periodic-async's `gap` to sync-separated
     and the `slack` of two of sync's standard errors, its gain and 95% interval, and the warm start;
-    where the task ran them, the gain, interval and end accuracy of periodic-async with dynamic
-    sampling (`dyn_*`, with its prompts drawn and share filtered per iteration) and of the off-policy
-    baseline (`off_*`). From the per-iteration `curves` (reward_curves_tasks.csv), periodic-async's
-    mean share of informative groups (rewards not all equal) and of fully correct samples in its batches."""
+    where the task ran them, the gain, interval and end accuracy of periodic-async and sync-separated
+    with dynamic sampling (`dyn_*`, with periodic-async's prompts drawn and share filtered per
+    iteration; `sdyn_*`) and of the off-policy baseline (`off_*`). From the per-iteration `curves`
+    (reward_curves_tasks.csv), periodic-async's mean share of informative groups (rewards not all
+    equal) and of fully correct samples in its batches."""
     out = []
     for task in dict.fromkeys(r["task"] for r in summary):
         rows = {r["mode"]: r for r in summary if r["task"] == task}
@@ -531,7 +532,8 @@ def task_curves(summary: Rows, curves: Rows = ()) -> list[dict]:
                     "ci95_low": _f(pa["ci95_low"]), "ci95_high": _f(pa["ci95_high"]),
                     "warm_start": _f(pa["warm_start_accuracy"]), "base": _f(pa["base_accuracy"]),
                     "eval_n": pa["eval_n"], "iterations": pa["iterations"]})
-        for mode, short in (("periodic-async+dynamic", "dyn"), ("async-offpolicy", "off")):
+        for mode, short in (("periodic-async+dynamic", "dyn"), ("sync-separated+dynamic", "sdyn"),
+                            ("async-offpolicy", "off")):
             if mode in rows:
                 out[-1] |= {f"{short}_{c}": _f(rows[mode][c]) for c in ("gain", "ci95_low", "ci95_high",
                                                                         "eval_accuracy_end")}
