@@ -94,7 +94,9 @@ def test_fed_requests_join_the_running_call(backend, model_cfg, tokenizer, ray_e
     when the feed is closed and nothing is left. Negative control: a feed left open with nothing to
     generate is an error, not a hang."""
     engine = ray_engine if backend == "ray" else make_engine(EngineConfig(backend="local", max_num_seqs=4), model_cfg)
-    first = [req(tokenizer, "long", "a long one", max_tokens=60, ignore_eos=True, seed=9)]
+    # "long" decodes far longer than Ray's delivery of the first output to the driver plus the
+    # extras' 6 tokens, so the extras finish first even on a loaded machine.
+    first = [req(tokenizer, "long", "a long one", max_tokens=200, ignore_eos=True, seed=9)]
     first += [req(tokenizer, f"short{i}", f"short {i}", n=2, max_tokens=4, ignore_eos=True, seed=i) for i in range(3)]
     extra = [req(tokenizer, f"extra{i}", f"extra {i}", n=2, max_tokens=6, ignore_eos=True, seed=20 + i)
              for i in range(2)]
