@@ -76,6 +76,20 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def script_env(ray=None) -> dict[str, str]:
+    """The environment of a script run as a subprocess (a user's `python examples/...`): the
+    repository's src/ importable and, given the test process's Ray (conftest's ray_session), its
+    address in RAY_ADDRESS, so that the script's engines join it as a run joins a cluster (about 5 s
+    less than starting an instance of its own; a local start is tested in test_security.py)."""
+    import os
+
+    src = str(HERE.parent.parent / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    if ray is not None:
+        env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    return env
+
+
 def stop_shared_ray() -> None:
     """Shut down this process's Ray instance (conftest's ray_session), for a test that needs none running."""
     import ray

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import save_preset
+from helpers import save_preset, script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPITALS = ROOT / "examples" / "capitals"
@@ -101,15 +101,16 @@ def micro_model_dir(tmp_path_factory, tokenizer_dir):
     return save_preset(tmp_path_factory.mktemp("qwen2-micro"), "qwen2-micro", tokenizer_dir)
 
 
-def _run_example(script: str, *args: str) -> str:
-    """`python examples/SCRIPT ARGS` from the repository root, as a user runs it; its stdout."""
+def _run_example(script: str, *args: str, ray=None) -> str:
+    """`python examples/SCRIPT ARGS` from the repository root, as a user runs it (joining the test
+    process's Ray when given it: helpers.script_env); its stdout."""
     out = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, env=script_env(ray))
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
 
-def test_trl_quickstart_trains_with_trls_accuracy_reward(tmp_path, micro_model_dir):
+def test_trl_quickstart_trains_with_trls_accuracy_reward(tmp_path, micro_model_dir, ray_session):
     """examples/trl_quickstart.py, TRL's quickstart whose one import line names us, trains 2 steps
     of 8 prompts x 4 completions with TRL's own `accuracy_reward` scoring each against the
     dataset's `solution` (0.0, not None: the solution parsed; the random model answers nothing)."""
@@ -118,7 +119,7 @@ def test_trl_quickstart_trains_with_trls_accuracy_reward(tmp_path, micro_model_d
     assert "from periodic_async import GRPOConfig, GRPOTrainer  # TRL's quickstart: from trl import GRPOTrainer" \
         in script.read_text()
     _run_example("trl_quickstart.py", "--model", str(micro_model_dir), "--max-steps", "2",
-                 "--max-completion-length", "8", "--output-dir", str(tmp_path))
+                 "--max-completion-length", "8", "--output-dir", str(tmp_path), ray=ray_session)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["mode"] == "periodic-async"
     rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
@@ -127,11 +128,12 @@ def test_trl_quickstart_trains_with_trls_accuracy_reward(tmp_path, micro_model_d
     assert not math.isnan(summary["reward_last"])
 
 
-def test_trl_dropin_script_trains_and_reports_its_step_times(tmp_path, micro_model_dir):
+def test_trl_dropin_script_trains_and_reports_its_step_times(tmp_path, micro_model_dir, ray_session):
     """examples/trl_grpo.py, the script experiments/trl_dropin.py times on TRL and on us, trains 3
     steps and saves; its STEP_TIMES line holds the median of the periods it measured."""
     out = _run_example("trl_grpo.py", "--model", str(micro_model_dir), "--max-steps", "3", "--num-generations", "2",
-                       "--prompts-per-step", "2", "--max-completion-length", "8", "--output-dir", str(tmp_path))
+                       "--prompts-per-step", "2", "--max-completion-length", "8", "--output-dir", str(tmp_path),
+                       ray=ray_session)
     assert "global_step=3 " in out and (tmp_path / "final" / "model.safetensors").is_file()
     times = json.loads(out.split("STEP_TIMES ", 1)[1].splitlines()[0])
     assert times["global_step"] == 3 and len(times["periods"]) == 1 and times["step_s"] == times["periods"][0] > 0

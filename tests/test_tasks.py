@@ -18,6 +18,7 @@ pytest.importorskip("reasoning_gym")
 import reasoning_gym  # noqa: E402
 from reasoning_gym.composite import DatasetSpec  # noqa: E402
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer  # noqa: E402
+from helpers import script_env  # noqa: E402
 
 from periodic_async.config import RunConfig, SFTRunConfig, load_config  # noqa: E402
 from periodic_async.data import DataError, load_examples, prompt_messages, reward_kwargs  # noqa: E402
@@ -262,7 +263,7 @@ def test_missing_package_gives_the_install_command(monkeypatch):
         load_examples(_data("basic_arithmetic", **{"data.num_train": 4}).data, "train")
 
 
-def test_trl_drop_in_script_trains_on_a_reasoning_gym_task(tmp_path, tokenizer_dir):
+def test_trl_drop_in_script_trains_on_a_reasoning_gym_task(tmp_path, tokenizer_dir, ray_session):
     """examples/trl_reasoning_gym.py, TRL-shaped with one import line naming us, trains two steps
     of a tiny preset on a reasoning-gym task."""
     from periodic_async.config import ModelConfig
@@ -274,10 +275,9 @@ def test_trl_drop_in_script_trains_on_a_reasoning_gym_task(tmp_path, tokenizer_d
     policy, tok = load_policy(ModelConfig(name_or_path="qwen2-1m", tokenizer=str(tokenizer_dir), seed=1))
     policy.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, str(script), "--model", str(tmp_path / "model"), "--max-steps", "2",
                           "--train-size", "16", "--num-generations", "2", "--prompts-per-step", "2",
                           "--max-completion-length", "8", "--output-dir", str(tmp_path / "run")],
-                         capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path, env=script_env(ray_session))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "global_step=2" in out.stdout and (tmp_path / "run" / "final" / "model.safetensors").is_file()

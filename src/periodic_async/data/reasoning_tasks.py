@@ -194,5 +194,4 @@ def task_examples(cfg: DataConfig, split: str, source: str | None = None) -> lis
 
 
 def _entries(task_spec: str, n: int) -> list[dict]:
-    ds = dataset(task_spec)
-    return [ds[i] for i in range(n)]
+    return [_entry(task_spec, i) for i in range(n)]  # cached: the reward scoring them in this process reuses them
