@@ -96,6 +96,9 @@ def main() -> None:
         records = [json.loads(line) for f in sorted(Path(tmp).glob("costs.jsonl*"))  # .gw0, .gw1 under xdist
                    for line in f.read_text().splitlines() if line.strip()]
     tests = per_test(records)
+    if not tests:  # pytest stopped before any test (bad arguments, a collection error): keep the last measurement
+        print(f"[test_costs] no test ran (pytest exit {rc}); {args.out} left as it was", file=sys.stderr)
+        sys.exit(rc or 1)
     rows = [{"test": name, "group": group_of(t), "seconds": round(t["seconds"], 2), "outcome": t.get("outcome", ""),
              **{k: int(t[k]) for k in COUNTS}, "suite_wall_s": round(wall, 1),
              "pytest_args": " ".join(args.pytest_args), "load": "one CPU-bound process" if busy else "quiet",
