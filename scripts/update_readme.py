@@ -281,7 +281,7 @@ def gpu_status(results: Path) -> str:
 
 def vllm_speed(results: Path) -> str:
     """vLLM's generation speed over the built-in engine, per model: the range over engine.csv's rows."""
-    return ", ".join(f"{'-'.join(sorted({f'{x:.1f}' for x in r['vllm_vs_builtin']}, key=float))}x the built-in "
+    return ", ".join(f"{'-'.join(sorted({f'{x:.2f}' for x in r['vllm_vs_builtin']}, key=float))}x the built-in "
                      f"engine on {r['key']}" for r in analysis.summary(results, "engine_speed")) + \
         f" (`{results}/engine.csv`)"
 
