@@ -1,14 +1,13 @@
 """The command line: a mistake in the user's input is one line on stderr and a non-zero exit,
 never a traceback (unless asked for with --debug or PERIODIC_ASYNC_DEBUG=1)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import one_line, run_cli
+from helpers import one_line, run_cli, script_env
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -20,8 +19,7 @@ def test_bad_data_path_is_one_line_and_debug_shows_the_traceback(tmp_path, token
     missing = tmp_path / "missing.jsonl"
     args = ["train", f"data.source={missing}", f"model.tokenizer={tokenizer_dir}",
             f"trainer.output_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled", "logging.progress=false"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
-           "PYTHONWARNINGS": "ignore"}
+    env = {**script_env(), "PYTHONWARNINGS": "ignore"}
     env.pop("PERIODIC_ASYNC_DEBUG", None)
     plain = subprocess.run([sys.executable, "-m", "periodic_async", *args], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=600)

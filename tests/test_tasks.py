@@ -7,7 +7,6 @@ Checked against reasoning-gym called directly."""
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -155,8 +154,7 @@ def test_warm_start_targets_with_and_without_a_worked_solution(tokenizer):
 # --- the command line on a composite task source: warm start, train, eval, re-score -----------------------
 
 def _cli(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])),
-           "PYTHONWARNINGS": "ignore"}
+    env = {**script_env(), "PYTHONWARNINGS": "ignore"}
     env.pop("PERIODIC_ASYNC_DEBUG", None)
     out = subprocess.run([sys.executable, "-m", "periodic_async", *args], cwd=cwd, env=env, capture_output=True,
                          text=True, timeout=900)
